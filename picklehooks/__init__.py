@@ -1,0 +1,21 @@
+"""picklehooks: PyTorch hooks that survive pickle, torch.save, torch.package and TorchScript.
+
+>>> import picklehooks, torch
+>>> handle = torch.nn.Linear(2, 2).register_forward_hook(picklehooks.portable(lambda m, i, o: o * 2))
+
+The layers, bottom up (no module imports one above it):
+
+* :mod:`picklehooks._shim`: decodes a hook name into a function (stdlib + zstd only);
+* :mod:`picklehooks.codec`: encodes source text into a name;
+* :mod:`picklehooks.portable`: turns a Python function into portable source text;
+* :mod:`picklehooks.audit`: lists the hooks in a file without loading it;
+* :mod:`picklehooks.__main__`: the command line (``demo``, ``inspect``).
+"""
+
+from __future__ import annotations
+
+from ._shim import DecodeError, PicklehooksError
+from .portable import is_portable, portable
+
+__all__ = ["portable", "is_portable", "PicklehooksError", "DecodeError"]
+__version__ = "0.1.0"

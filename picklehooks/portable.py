@@ -1,0 +1,310 @@
+"""Turn an ordinary Python function into a portable hook.
+
+``portable(fn)`` rebuilds ``fn`` as self-contained module text: the imports
+it needs, its free variables baked in as constants, and its own ``def`` (a
+lambda becomes a one-line ``def``). That text is encoded into a name
+(:mod:`picklehooks.codec`) and resolved through the hub
+(:mod:`picklehooks._shim`), so the returned function *is* the function any
+other process gets from the same name. Equal texts give one shared function.
+
+What can be baked in:
+
+* constants: ``str``, ``int``, ``float``, ``bool``, ``None``, ``bytes``,
+  tuples/lists/dicts of them, ``torch.dtype`` and ``torch.device``; lists and
+  dicts are copied, so a hook's changes to them stay private;
+* modules (``torch``, ``math``, ``F``) become ``import`` statements, and
+  classes, functions and ``typing`` names that can be imported from a real
+  module (not ``__main__``) become ``from ... import ...``.
+
+Anything else (a tensor, a mutable object, an open file, a local function, a
+name that isn't defined yet) raises :class:`PicklehooksError` naming it.
+
+Limits: ``portable`` needs the function's source (a file, not the REPL),
+refuses ``nonlocal`` and ``global`` writes (a portable hook can't share state
+with its creator), and bakes values as they are *now*: later changes to a
+captured variable don't reach the hook.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import math
+import symtable
+import sys
+import textwrap
+import types
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from . import codec
+from ._shim import HUB_NAME, PicklehooksError, hub
+
+__all__ = ["portable", "is_portable"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_LAMBDA_NAME = "_lambda"
+
+
+def is_portable(fn: object) -> bool:
+    """True if ``fn`` is a hook that :func:`portable` produced (or decoded)."""
+    return (
+        isinstance(fn, types.FunctionType)
+        and fn.__module__ == HUB_NAME
+        and sys.modules.get(HUB_NAME) is not None
+        and sys.modules[HUB_NAME].__dict__.get(fn.__name__) is fn
+    )
+
+
+def portable(fn: F) -> F:
+    """Return a pickle-safe twin of ``fn`` whose identity is its encoded source.
+
+    Use it as a call or a decorator::
+
+        model.fc.register_forward_hook(picklehooks.portable(my_hook))
+
+        @picklehooks.portable
+        def my_hook(module, inputs, output): ...
+    """
+    if is_portable(fn):
+        return fn
+    if not isinstance(fn, types.FunctionType):
+        raise PicklehooksError(
+            f"portable() takes a Python function (def or lambda), got {type(fn).__name__} {fn!r}; "
+            "wrap it in a def that calls it"
+        )
+    if fn.__code__.co_flags & (inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR):
+        raise PicklehooksError(f"portable() can't make async function {fn.__qualname__!r} a hook; use a plain def")
+    return getattr(hub(), codec.encode(module_text(fn)))
+
+
+def module_text(fn: types.FunctionType) -> str:
+    """Return the self-contained module text that :func:`portable` encodes for ``fn``."""
+    body = _lambda_as_def(fn) if fn.__name__ == "<lambda>" else _def_source(fn)
+    header = _header(fn, body)
+    return header + body
+
+
+# --------------------------------------------------------------------------
+# Getting the function's own text.
+
+
+def _source_lines(fn: types.FunctionType) -> list[str]:
+    try:
+        lines, _ = inspect.findsource(fn)
+    except (OSError, TypeError) as exc:
+        raise PicklehooksError(
+            f"can't read the source of {fn.__qualname__!r} ({exc}); portable() needs functions "
+            "defined in a file or notebook cell, not typed into a bare REPL or built with exec()"
+        ) from None
+    return lines
+
+
+def _def_source(fn: types.FunctionType) -> str:
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(text)
+    except (OSError, TypeError, SyntaxError) as exc:
+        _source_lines(fn)  # raises the clear error when there is no source at all
+        raise PicklehooksError(f"can't parse the source of {fn.__qualname__!r}: {exc}") from None
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef):
+        raise PicklehooksError(f"the source of {fn.__qualname__!r} is not a def: {text.splitlines()[0]!r}")
+    # Drop decorator lines (e.g. @picklehooks.portable) but keep the user's text as written.
+    lines = text.splitlines(keepends=True)[node.lineno - 1 :]
+    return "".join(lines).rstrip() + "\n"
+
+
+def _lambda_as_def(fn: types.FunctionType) -> str:
+    """Find ``fn``'s lambda in its file and rewrite it as a one-line def.
+
+    A line can hold several lambdas, so we match on position: every
+    instruction of ``fn.__code__`` carries its source span (PEP 657), and the
+    right lambda is the smallest one whose span holds them all.
+    """
+    lines = _source_lines(fn)
+    text = "".join(lines)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:  # pragma: no cover - the file did compile once
+        raise PicklehooksError(f"can't parse the file that defines lambda {fn!r}: {exc}") from None
+    # Skip missing and zero-width positions (RESUME carries "line, column 0").
+    spans = [p for p in fn.__code__.co_positions() if None not in p and (p[0], p[2]) < (p[1], p[3])]
+    if not spans:
+        raise PicklehooksError(f"lambda {fn!r} carries no source positions; define the hook with def instead")
+    lo = min((p[0], p[2]) for p in spans)
+    hi = max((p[1], p[3]) for p in spans)
+    candidates = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Lambda)
+        and (n.lineno, n.col_offset) <= lo
+        and hi <= (n.end_lineno, n.end_col_offset)
+    ]
+    if not candidates:
+        raise PicklehooksError(
+            f"can't locate the lambda {fn!r} in its source; define the hook with def instead"
+        )
+    node = min(candidates, key=lambda n: (n.end_lineno - n.lineno, n.end_col_offset - n.col_offset))
+    # Positions give us the node; unparse gives valid one-line text for it.
+    args, body = ast.unparse(node.args), ast.unparse(node.body)
+    return f"def {_LAMBDA_NAME}({args}):\n    return ({body})\n"
+
+
+# --------------------------------------------------------------------------
+# Finding and baking in the names the function needs.
+
+
+def _needed_names(fn: types.FunctionType, body: str) -> list[str]:
+    """Names ``body`` reads from outside itself, in first-seen order."""
+    try:
+        table = symtable.symtable(body, "<portable>", "exec")
+    except SyntaxError as exc:
+        raise PicklehooksError(
+            f"hook {fn.__qualname__!r} can't stand alone: {exc.msg}. A portable hook can't write to "
+            "variables of the function that made it (nonlocal); return values instead"
+        ) from None
+    names: dict[str, None] = {}
+    # Module level: annotations and defaults are evaluated here.
+    for sym in table.get_symbols():
+        if sym.is_referenced() and not sym.is_assigned() and not sym.is_imported():
+            names[sym.get_name()] = None
+
+    def walk(t: symtable.SymbolTable) -> None:
+        for sym in t.get_symbols():
+            if sym.is_declared_global() and sym.is_assigned():
+                raise PicklehooksError(
+                    f"hook {fn.__qualname__!r} assigns the global {sym.get_name()!r}; a portable hook "
+                    "runs in its own namespace, so it can't change its creator's globals"
+                )
+            if sym.is_global() and sym.is_referenced():
+                names[sym.get_name()] = None
+        for child in t.get_children():
+            walk(child)
+
+    for child in table.get_children():
+        walk(child)
+    return list(names)
+
+
+def _lookup(fn: types.FunctionType, name: str) -> tuple[bool, Any]:
+    if name in fn.__code__.co_freevars:
+        cell = fn.__closure__[fn.__code__.co_freevars.index(name)]
+        try:
+            return True, cell.cell_contents
+        except ValueError:
+            raise PicklehooksError(
+                f"hook {fn.__qualname__!r} uses {name!r}, which its enclosing function has not assigned yet"
+            ) from None
+    if name in fn.__globals__:
+        return True, fn.__globals__[name]
+    return False, None
+
+
+def _header(fn: types.FunctionType, body: str) -> str:
+    imports: list[str] = []
+    constants: list[str] = []
+    for name in _needed_names(fn, body):
+        found, value = _lookup(fn, name)
+        if not found:
+            if hasattr(builtins, name):
+                continue
+            raise PicklehooksError(
+                f"hook {fn.__qualname__!r} uses the name {name!r}, which is not defined where the hook "
+                "was made; define or import it before calling portable()"
+            )
+        if isinstance(value, types.ModuleType):
+            imports.append(_import_module_line(fn, name, value))
+        elif _is_importable(value):
+            imports.append(_import_object_line(fn, name, value))
+        else:
+            if name == "torch":
+                raise PicklehooksError(f"hook {fn.__qualname__!r} binds 'torch' to {value!r}; rename that variable")
+            literal, needs_torch = _literal(fn, name, value)
+            if needs_torch and "import torch" not in imports:
+                imports.append("import torch")
+            constants.append(f"{name} = {literal}")
+    lines = sorted(set(imports), key=lambda line: (line.startswith("from"), line)) + constants
+    return "".join(line + "\n" for line in lines)
+
+
+def _import_module_line(fn: types.FunctionType, name: str, module: types.ModuleType) -> str:
+    modname = module.__name__
+    if modname == "__main__" or sys.modules.get(modname) is not module:
+        raise PicklehooksError(
+            f"hook {fn.__qualname__!r} uses {name!r}, the module {modname!r}, which another process "
+            "can't import by that name; import an installed module instead"
+        )
+    return f"import {modname}" if modname == name else f"import {modname} as {name}"
+
+
+def _is_importable(value: Any) -> bool:
+    return inspect.isclass(value) or inspect.isroutine(value) or type(value).__module__ == "typing"
+
+
+def _import_object_line(fn: types.FunctionType, name: str, value: Any) -> str:
+    modname = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None) or getattr(value, "_name", None) or name
+    why = None
+    if not isinstance(modname, str) or modname == "__main__":
+        why = f"it is defined in {modname or 'no module'}, which another process can't import"
+    elif "<locals>" in qualname:
+        why = "it is a local function or class"
+    else:
+        module = sys.modules.get(modname)
+        for attr in (name, qualname):
+            if module is not None and "." not in attr and getattr(module, attr, None) is value:
+                return f"from {modname} import {attr}" + ("" if attr == name else f" as {name}")
+        why = f"it can't be imported as {modname}.{qualname}"
+    raise PicklehooksError(
+        f"hook {fn.__qualname__!r} uses {name!r} = {value!r}, but {why}; move it to an installed "
+        "module, inline it into the hook, or reach it through a module (e.g. torch.relu)"
+    )
+
+
+_PLAIN = (str, int, bool, bytes, type(None))
+
+
+def _literal(fn: types.FunctionType, name: str, value: Any, _seen: frozenset = frozenset()) -> tuple[str, bool]:
+    """Return (Python text for ``value``, whether it needs ``import torch``)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return repr(value), False
+    if kind is float:
+        if math.isfinite(value):
+            return repr(value), False
+        return (f"float({str(value)!r})", False)
+    if isinstance(value, torch.dtype):
+        return str(value), True
+    if isinstance(value, torch.device):
+        return f"torch.device({str(value)!r})", True
+    if kind in (tuple, list, dict):
+        if id(value) in _seen:
+            raise PicklehooksError(f"hook {fn.__qualname__!r}: {name!r} contains itself; it can't be baked in")
+        seen = _seen | {id(value)}
+        if kind is dict:
+            parts = [(_literal(fn, name, k, seen), _literal(fn, name, v, seen)) for k, v in value.items()]
+            text = "{" + ", ".join(f"{k[0]}: {v[0]}" for k, v in parts) + "}"
+            return text, any(k[1] or v[1] for k, v in parts)
+        items = [_literal(fn, name, v, seen) for v in value]
+        inner = ", ".join(t for t, _ in items)
+        text = f"[{inner}]" if kind is list else (f"({inner},)" if len(items) == 1 else f"({inner})")
+        return text, any(t for _, t in items)
+    hint = (
+        "register it as a buffer or parameter on the module and read it there"
+        if isinstance(value, torch.Tensor)
+        else "pass plain constants (str/int/float/bool/None/bytes, tuples, lists and dicts of them, "
+        "torch.dtype, torch.device) or store state on the module"
+    )
+    raise PicklehooksError(
+        f"hook {fn.__qualname__!r} captures {name!r} = {_brief(value)} ({kind.__qualname__}), which "
+        f"can't be baked into a portable hook; {hint}"
+    )
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
