@@ -204,9 +204,35 @@ def _lookup(fn: types.FunctionType, name: str) -> tuple[bool, Any]:
     return False, None
 
 
+_MUTATORS = frozenset(
+    "append extend insert remove pop clear sort reverse update setdefault popitem __setitem__ __delitem__".split()
+)
+
+
+def _mutated_names(body: str) -> set[str]:
+    """Names that ``body`` changes in place (``x.append(...)``, ``x[k] = v``, ``del x[k]``)."""
+    mutated = set()
+    for node in ast.walk(ast.parse(body)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+            and isinstance(node.func.value, ast.Name)
+        ):
+            mutated.add(node.func.value.id)
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.ctx, (ast.Store, ast.Del))
+            and isinstance(node.value, ast.Name)
+        ):
+            mutated.add(node.value.id)
+    return mutated
+
+
 def _header(fn: types.FunctionType, body: str) -> str:
     imports: list[str] = []
     constants: list[str] = []
+    mutated = _mutated_names(body)
     for name in _needed_names(fn, body):
         found, value = _lookup(fn, name)
         if not found:
@@ -223,6 +249,13 @@ def _header(fn: types.FunctionType, body: str) -> str:
         else:
             if name == "torch":
                 raise PicklehooksError(f"hook {fn.__qualname__!r} binds 'torch' to {value!r}; rename that variable")
+            if name in mutated and isinstance(value, (list, dict)):
+                # Baking makes a copy: writes would silently miss the caller's object.
+                raise PicklehooksError(
+                    f"hook {fn.__qualname__!r} changes the captured {type(value).__name__} {name!r} in place, "
+                    "but a portable hook gets its own copy, so the caller would never see the change; "
+                    "store results on the module (e.g. a buffer) or use picklehooks' logging instead"
+                )
             literal, needs_torch = _literal(fn, name, value)
             if needs_torch and "import torch" not in imports:
                 imports.append("import torch")

@@ -1,0 +1,32 @@
+"""Helpers shared by the tests: running code in a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_fresh(code: str, *args: str, cwd: str | os.PathLike | None = None, timeout: float = 240) -> str:
+    """Run ``code`` in a fresh interpreter (``python -c``); return its stdout, fail with its stderr.
+
+    The child does not inherit the tests' modules: nothing the parent
+    imported or decoded is there unless the child loads it itself.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
