@@ -15,7 +15,8 @@ The layers, bottom up (no module imports one above it):
 from __future__ import annotations
 
 from ._shim import DecodeError, PicklehooksError
+from . import codec
 from .portable import is_portable, portable
 
-__all__ = ["portable", "is_portable", "PicklehooksError", "DecodeError"]
+__all__ = ["portable", "is_portable", "codec", "PicklehooksError", "DecodeError"]
 __version__ = "0.1.0"
