@@ -41,23 +41,39 @@ import ast
 import base64
 import binascii
 import builtins
+import functools
+import importlib
 import importlib.abc
 import importlib.machinery
 import linecache
-import sys
 import threading
 import types
 
-try:  # The standard library's zstd arrived in Python 3.14.
-    from compression import zstd as _stdlib_zstd  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the Python version
-    _stdlib_zstd = None
-try:
-    import zstandard as _zstandard
-except ImportError:  # pragma: no cover - only on 3.14+ without zstandard
-    _zstandard = None
-    if _stdlib_zstd is None:
-        raise
+# torch.package won't implicitly extern `sys` from packaged code, and a user
+# who already declared their patterns can't be asked to; importlib reaches
+# the host's module without the exporter's dependency scan noticing.
+sys = importlib.import_module("sys")
+
+
+def _import_decompressor():
+    """Return (zstandard, compression.zstd), either possibly None.
+
+    ``importlib.import_module`` rather than ``import``: inside a torch.package
+    archive it reaches the host's installed decompressor directly, and the
+    exporter's dependency scan doesn't try to package a C extension.
+    """
+    found = []
+    for name in ("zstandard", "compression.zstd"):
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            found.append(None)
+    if found == [None, None]:  # pragma: no cover - a broken install
+        raise ImportError("picklehooks needs the 'zstandard' package (or Python 3.14+): pip install zstandard")
+    return found
+
+
+_zstandard, _stdlib_zstd = _import_decompressor()
 
 
 class PicklehooksError(Exception):
@@ -150,18 +166,22 @@ def _frame_content_size(frame: bytes, name: str) -> int:
     return size + 256 if width == 2 else size
 
 
-def _decompress(frame: bytes, dictionary: str | None, size: int) -> bytes:
-    data = _ZSTD_MAGIC + frame
-    dict_bytes = dictionary.encode() if dictionary is not None else None
+@functools.lru_cache(maxsize=None)
+def _zstd_dict(letter: str):
+    dictionary = FORMATS[letter]
+    if dictionary is None:
+        return None
     if _zstandard is not None:
-        zdict = (
-            _zstandard.ZstdCompressionDict(dict_bytes, dict_type=_zstandard.DICT_TYPE_RAWCONTENT)
-            if dict_bytes is not None
-            else None
-        )
-        return _zstandard.ZstdDecompressor(dict_data=zdict).decompress(data, max_output_size=size)
-    zdict = _stdlib_zstd.ZstdDict(dict_bytes, is_raw=True) if dict_bytes is not None else None  # pragma: no cover
-    return _stdlib_zstd.ZstdDecompressor(zstd_dict=zdict).decompress(data, max_length=size)  # pragma: no cover
+        return _zstandard.ZstdCompressionDict(dictionary.encode(), dict_type=_zstandard.DICT_TYPE_RAWCONTENT)
+    return _stdlib_zstd.ZstdDict(dictionary.encode(), is_raw=True)  # pragma: no cover
+
+
+def _decompress(frame: bytes, letter: str, size: int) -> bytes:
+    data = _ZSTD_MAGIC + frame
+    if _zstandard is not None:
+        return _zstandard.ZstdDecompressor(dict_data=_zstd_dict(letter)).decompress(data, max_output_size=size)
+    decompressor = _stdlib_zstd.ZstdDecompressor(zstd_dict=_zstd_dict(letter))  # pragma: no cover
+    return decompressor.decompress(data, max_length=size)  # pragma: no cover
 
 
 def _short(name: str) -> str:
@@ -209,7 +229,7 @@ def decode(name: str, *, max_source_bytes: int | None = None) -> str:
             "raise it with picklehooks.codec.set_max_source_bytes() if you trust this file"
         )
     try:
-        raw = _decompress(frame, FORMATS[letter], size)
+        raw = _decompress(frame, letter, size)
     except Exception as exc:  # zstd reports corruption with its own error types
         raise DecodeError(f"hook name {_short(name)!r} is corrupt: zstd says {exc}") from None
     if len(raw) != size:
@@ -303,9 +323,11 @@ def _check_shape(tree: ast.Module, name: str) -> str:
 class _HubLoader(importlib.abc.Loader):
     """Loader (and ``get_source`` provider) for one hub module.
 
-    The same object serves as the module's ``__loader__`` and
-    ``__spec__.loader`` and as the loader that ``linecache.lazycache`` finds
-    through a hook's globals, so every reader sees the same text.
+    The same object is the hub's ``__loader__`` and the loader that
+    ``linecache.lazycache`` finds through each hook's globals, so every
+    reader sees the same text. There is one hub per process (``picklehooks._hub``)
+    plus one per loaded torch.package archive, each with its own file name,
+    so their ``linecache`` entries never collide.
     """
 
     def __init__(self, module_name: str, filename: str) -> None:
@@ -313,14 +335,15 @@ class _HubLoader(importlib.abc.Loader):
         self.filename = filename
         self._lines: list[str] = ["# Hooks that picklehooks decoded from function names, in decoding order.\n"]
         self._lock = threading.RLock()
-        self._module: types.ModuleType | None = None
+        self._namespace: dict | None = None
 
     # -- importlib protocol -------------------------------------------------
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None  # the default module object is what we want
 
     def exec_module(self, module: types.ModuleType) -> None:
-        self.attach(module)
+        module.__file__ = self.filename
+        self.bind(module.__dict__)
 
     def get_source(self, fullname: str) -> str | None:
         if fullname != self.module_name:
@@ -332,30 +355,25 @@ class _HubLoader(importlib.abc.Loader):
         return False
 
     # -- the hub ------------------------------------------------------------
-    def attach(self, module: types.ModuleType) -> None:
-        """Make ``module`` this loader's hub: it resolves hook names on demand."""
-        module.__file__ = self.filename
-        module.__loader__ = self
-        if module.__spec__ is not None:
-            module.__spec__.loader = self
-            module.__spec__.origin = self.filename
-        module.__getattr__ = self._module_getattr
-        self._module = module
+    def bind(self, namespace: dict) -> None:
+        """Make the module whose globals are ``namespace`` resolve hook names on demand."""
+        namespace["__getattr__"] = self._module_getattr
+        self._namespace = namespace
 
     def _module_getattr(self, name: str) -> types.FunctionType:
-        if name.startswith("__") or self._module is None:
+        if name.startswith("__") or self._namespace is None:
             raise AttributeError(f"module {self.module_name!r} has no attribute {name!r}")
         return self.resolve(name)
 
     def resolve(self, name: str) -> types.FunctionType:
         """Return the hook that ``name`` encodes, decoding it at most once."""
-        module = self._module
+        namespace = self._namespace
         with self._lock:  # concurrent first lookups must agree on one object
-            cached = module.__dict__.get(name)
+            cached = namespace.get(name)
             if cached is not None:
                 return cached
             fn = self._define(name, decode(name))
-            setattr(module, name, fn)
+            namespace[name] = fn
             return fn
 
     def _define(self, name: str, source: str) -> types.FunctionType:
@@ -366,20 +384,22 @@ class _HubLoader(importlib.abc.Loader):
         def_name = _check_shape(tree, name)
         if not source.endswith("\n"):
             source += "\n"
-        offset = len(self._lines)
-        ast.increment_lineno(tree, offset)
+        ast.increment_lineno(tree, len(self._lines))
         code = compile(tree, self.filename, "exec", dont_inherit=True)
         namespace = {
             "__name__": self.module_name,
             "__file__": self.filename,
             "__loader__": self,
-            "__spec__": getattr(self._module, "__spec__", None),
-            "__builtins__": builtins,
+            "__spec__": None,  # so linecache asks __loader__, which is this object
+            # Inside a torch.package archive these are the archive's builtins, so
+            # the hook's imports resolve through the archive like any packaged code.
+            "__builtins__": self._namespace.get("__builtins__", builtins),
         }
         exec(code, namespace)
         fn = namespace[def_name]
         fn.__name__ = fn.__qualname__ = name
         fn.__module__ = self.module_name
+        fn.__reduce_package__ = functools.partial(_reduce_package, name)
         self._lines.extend(source.splitlines(keepends=True))
         self._lines.append("\n")
         # Refresh linecache: drop a realised (now stale) entry, leave a lazy one.
@@ -413,15 +433,79 @@ def hub() -> types.ModuleType:
     """Return the hub module, importing it if needed."""
     install()
     module = sys.modules.get(HUB_NAME)
-    if module is None:
-        import importlib
+    return module if module is not None else importlib.import_module(HUB_NAME)
 
-        module = importlib.import_module(HUB_NAME)
-    return module
+
+# --------------------------------------------------------------------------
+# torch.package: the archive carries this file and a stub hub, so a host
+# without picklehooks can load it. Exporters find ``__reduce_package__`` on
+# every hook (set in ``_define``) and call it; nothing here imports torch.
+
+SHIM_NAME = "picklehooks._shim"
+
+#: The hub's text inside an archive; `_make_package_hub` does the work.
+PACKAGE_HUB_SOURCE = f"""\
+\"\"\"Hooks decoded inside this torch.package archive; see picklehooks/_shim.py.\"\"\"
+from {SHIM_NAME} import _make_package_hub
+
+_make_package_hub(globals())
+"""
+
+
+def _make_package_hub(namespace: dict) -> None:
+    """Turn an archive's ``picklehooks._hub`` into a hub with its own loader and file name."""
+    name = namespace["__name__"]  # mangled per importer, e.g. "<torch_package_0>.picklehooks._hub"
+    _HubLoader(name, f"<picklehooks-generated>/{name}.py").bind(namespace)
+
+
+def prepare_exporter(exporter) -> None:
+    """Add the shim and the stub hub to a ``torch.package.PackageExporter`` (once)."""
+    if getattr(exporter, "_picklehooks_prepared", False):
+        return
+    own_source = __loader__.get_source(__name__)  # our file on a host, our record in an archive
+    if not own_source:  # pragma: no cover - a shim loaded without a source-providing loader
+        raise PicklehooksError(f"can't read the source of {__name__} to put it in the package")
+    exporter.save_source_string(SHIM_NAME, own_source)
+    exporter.save_source_string(HUB_NAME, PACKAGE_HUB_SOURCE)
+    exporter._picklehooks_prepared = True
+
+
+def _hook_imports(source: str) -> list[str]:
+    tree = ast.parse(source)
+    names = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Import):
+            names += [a.name for a in stmt.names]
+        elif isinstance(stmt, ast.ImportFrom):
+            names.append(stmt.module)
+    return names
+
+
+def _reduce_package(name: str, exporter) -> tuple:
+    """``__reduce_package__`` of every hook: package the shim and the hook's imports."""
+    prepare_exporter(exporter)
+    source = decode(name)
+    for module in _hook_imports(source):
+        # The imports hide inside the name, where the exporter's scan can't see them.
+        exporter.add_dependency(module)
+        node = exporter.dependency_graph.nodes.get(module, {})
+        if node.get("error") is not None:
+            def_name = _check_shape(ast.parse(source), name)
+            raise PicklehooksError(
+                f"hook {def_name!r} imports {module!r}, which this PackageExporter has no rule for "
+                f"({node['error'].value}); declare it first, e.g. exporter.extern({module!r}) or "
+                f"exporter.intern({module!r})"
+            )
+    return _load_packaged_hook, (name,)
+
+
+def _load_packaged_hook(importer, name: str) -> types.FunctionType:
+    """Inverse of :func:`_reduce_package`, run by ``PackageImporter`` on load."""
+    return getattr(importer.import_module(HUB_NAME), name)
 
 
 # Only the real, top-level copy registers itself: a copy loaded from inside a
 # torch.package archive has a mangled name and must not touch the host's
 # import system.
-if __name__ == "picklehooks._shim":
+if __name__ == SHIM_NAME:
     install()

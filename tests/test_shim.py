@@ -177,7 +177,7 @@ class TestStandalone:
             loader = shim._HubLoader('lone_hub', 'lone/hub.py')
             mod = types.ModuleType('lone_hub')
             sys.modules['lone_hub'] = mod
-            loader.attach(mod)
+            loader.bind(mod.__dict__)
             print(getattr(mod, {name!r})(2.0), 'torch' in sys.modules)
             """,
             cwd=REPO.parent,

@@ -30,3 +30,20 @@ def run_fresh(code: str, *args: str, cwd: str | os.PathLike | None = None, timeo
     if proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
+
+
+#: Prelude for child code that must run as if picklehooks were not installed.
+WITHOUT_PICKLEHOOKS = """
+import sys
+class _RefusePicklehooks:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'picklehooks':
+            raise ImportError('picklehooks is not installed on this host: ' + name)
+sys.meta_path.insert(0, _RefusePicklehooks())
+"""
+
+
+def run_without_picklehooks(code: str, *args: str, **kwargs) -> str:
+    """Like :func:`run_fresh`, with every import of picklehooks refused; checks it stayed out."""
+    epilogue = "\nassert not [m for m in sys.modules if m.split('.')[0] == 'picklehooks'], 'picklehooks leaked in'\n"
+    return run_fresh(WITHOUT_PICKLEHOOKS + textwrap.dedent(code) + epilogue, *args, **kwargs)
