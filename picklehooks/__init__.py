@@ -8,6 +8,12 @@ The layers, bottom up (no module imports one above it):
 * :mod:`picklehooks._shim`: decodes a hook name into a function (stdlib + zstd only);
 * :mod:`picklehooks.codec`: encodes source text into a name;
 * :mod:`picklehooks.portable`: turns a Python function into portable source text;
+* :mod:`picklehooks._ops`, :mod:`picklehooks._state`, :mod:`picklehooks._hookrt`: the
+  recording ops, the recording switch, and the run-time half of generated hooks;
+* :mod:`picklehooks._generate`: typed hook text from a module's call shape;
+* :mod:`picklehooks.log`: ``record()``, ``Log`` and ``Record``;
+* :mod:`picklehooks.instrument`: ``instrument(model)``;
+* :mod:`picklehooks.package`: torch.package helpers;
 * :mod:`picklehooks.audit`: lists the hooks in a file without loading it;
 * :mod:`picklehooks.__main__`: the command line (``demo``, ``inspect``).
 """
@@ -15,8 +21,22 @@ The layers, bottom up (no module imports one above it):
 from __future__ import annotations
 
 from ._shim import DecodeError, PicklehooksError
+from . import _ops  # registers the picklehooks:: ops that instrumented models call
 from . import codec
+from .instrument import Instrumentation, instrument
+from .log import Log, Record, record
 from .portable import is_portable, portable
 
-__all__ = ["portable", "is_portable", "codec", "PicklehooksError", "DecodeError"]
+__all__ = [
+    "portable",
+    "is_portable",
+    "instrument",
+    "Instrumentation",
+    "record",
+    "Log",
+    "Record",
+    "codec",
+    "PicklehooksError",
+    "DecodeError",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,218 @@
+"""Generate the text of typed logging hooks from a module's call signature.
+
+TorchScript compiles forward hooks against the module: the hook's ``input``
+argument must be typed as the tuple of the forward's argument types, and
+its ``output`` as the forward's return type. So each hook is generated from
+a *shape*: the types of the positional arguments (from the forward's
+annotations, else from the call seen in an example forward, else
+``Tensor`` as TorchScript assumes) and of the output (annotation, else
+observation, else ``Tensor``).
+
+A generated hook has a typed body that TorchScript compiles, which unpacks
+the value statically and taps each tensor, and, under
+``if not torch.jit.is_scripting():``, a call into :mod:`picklehooks._hookrt`
+that handles any structure at run time. Both give the same record paths.
+The text depends only on the shape, the capture flags and the parameter and
+buffer names, never on the module's name (it lives on the module as
+``_picklehooks_name``), so N modules share a few hooks.
+
+Limits: types the typed body can't unpack (namedtuples, dataclasses,
+``Tuple[X, ...]``, non-``str`` dict keys) are passed through untouched under
+TorchScript; a module without any describable shape gets an unannotated
+hook that works everywhere except TorchScript.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import torch
+
+# A shape is a small tree: ("T",) tensor, ("N",) None, ("X", "int") other
+# scalar, ("O", inner) optional, ("U", [items]) tuple, ("L", inner) list,
+# ("D", inner) dict with str keys. None means "can't describe".
+Shape = tuple
+
+_SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def shape_from_hint(hint: Any) -> Shape | None:
+    """Shape of a type annotation, or None if TorchScript-typed unpacking can't handle it."""
+    if hint is torch.Tensor:
+        return ("T",)
+    if hint in _SCALARS:
+        return ("X", _SCALARS[hint])
+    if hint is type(None) or hint is None:
+        return ("N",)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or (origin is not None and getattr(origin, "__name__", "") == "UnionType"):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and len(args) == 2:
+            inner = shape_from_hint(rest[0])
+            return None if inner is None else ("O", inner)
+        return None
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return None
+        items = [shape_from_hint(a) for a in args if a != ()]
+        return None if any(i is None for i in items) else ("U", items)
+    if origin is list and len(args) == 1:
+        inner = shape_from_hint(args[0])
+        return None if inner is None else ("L", inner)
+    if origin is dict and len(args) == 2 and args[0] is str:
+        inner = shape_from_hint(args[1])
+        return None if inner is None else ("D", inner)
+    return None
+
+
+def shape_from_value(value: Any) -> Shape | None:
+    """Shape of a value seen in an example forward."""
+    if isinstance(value, torch.Tensor):
+        return ("T",)
+    if value is None:
+        return ("N",)
+    if type(value) in _SCALARS:
+        return ("X", _SCALARS[type(value)])
+    if type(value) is tuple:
+        items = [shape_from_value(v) for v in value]
+        return None if any(i is None for i in items) else ("U", items)
+    if type(value) is list and value and all(isinstance(v, torch.Tensor) for v in value):
+        return ("L", ("T",))
+    if type(value) is dict and value and all(type(k) is str and isinstance(v, torch.Tensor) for k, v in value.items()):
+        return ("D", ("T",))
+    return None
+
+
+def annotation(shape: Shape) -> str:
+    tag = shape[0]
+    if tag == "T":
+        return "torch.Tensor"
+    if tag == "N":
+        return "None"
+    if tag == "X":
+        return shape[1]
+    if tag == "O":
+        return f"Optional[{annotation(shape[1])}]"
+    if tag == "U":
+        return f"Tuple[{', '.join(annotation(s) for s in shape[1])}]" if shape[1] else "Tuple[()]"
+    if tag == "L":
+        return f"List[{annotation(shape[1])}]"
+    return f"Dict[str, {annotation(shape[1])}]"
+
+
+class _Emitter:
+    """Writes the typed (TorchScript) body that taps every tensor in a value."""
+
+    def __init__(self, kind: str, flags: int) -> None:
+        self.kind, self.flags = kind, flags
+        self.lines: list[str] = []
+        self.count = 0
+
+    def var(self) -> str:
+        self.count += 1
+        return f"v{self.count}"
+
+    def tap_expr(self, expr: str, path_expr: str) -> str:
+        return f"torch.ops.picklehooks.tap({expr}, name, {self.kind!r}, {path_expr}, {self.flags})"
+
+    def emit(self, shape: Shape, expr: str, path: str, indent: str) -> str:
+        """Append lines computing the tapped ``expr``; return the variable (or expression) holding it."""
+        tag = shape[0]
+        if tag == "T":
+            v = self.var()
+            self.lines.append(f"{indent}{v} = {self.tap_expr(expr, repr(path))}")
+            return v
+        if tag == "O":
+            v = self.var()
+            self.lines.append(f"{indent}{v} = {expr}")
+            self.lines.append(f"{indent}if {v} is not None:")
+            inner = self.emit(shape[1], v, path, indent + "    ")
+            self.lines.append(f"{indent}    {v} = {inner}")
+            return v
+        if tag == "U":
+            parts = [self.emit(s, f"{expr}[{i}]", _join(path, i), indent) for i, s in enumerate(shape[1])]
+            return "(" + "".join(p + ", " for p in parts) + ")"
+        if tag in ("L", "D") and shape[1] == ("T",):
+            v, item = self.var(), self.var()
+            prefix = repr(path + "/") if path else "''"
+            if tag == "L":
+                self.lines.append(f"{indent}{v} = torch.jit.annotate(List[torch.Tensor], [])")
+                self.lines.append(f"{indent}for {item} in range(len({expr})):")
+                self.lines.append(f"{indent}    {v}.append({self.tap_expr(f'{expr}[{item}]', f'{prefix} + str({item})')})")
+            else:
+                self.lines.append(f"{indent}{v} = torch.jit.annotate(Dict[str, torch.Tensor], {{}})")
+                self.lines.append(f"{indent}for {item} in {expr}.keys():")
+                self.lines.append(f"{indent}    {v}[{item}] = {self.tap_expr(f'{expr}[{item}]', f'{prefix} + {item}')}")
+            return v
+        return expr  # scalars, None and what we can't unpack pass through
+
+
+def _join(path: str, key) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+_HEADER = (
+    "import torch\n"
+    "from typing import Dict, List, Optional, Tuple\n"
+    "import picklehooks._hookrt as _rt\n"
+)
+
+
+def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, params: tuple, buffers: tuple) -> str:
+    """Text of a forward pre-hook: tap inputs, record params/buffers."""
+    generic = f"_rt.pre(module, inputs, {flags}, {state_flags}, {params!r}, {buffers!r})"
+    if inputs is None:
+        return _untyped("picklehooks_pre", "module, inputs", generic)
+    sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}"
+    em = _Emitter("input", flags)
+    body = ["    name = module._picklehooks_name"]
+    values = [f"inputs[{i}]" for i in range(len(inputs))]
+    first = next((i for i, s in enumerate(inputs) if s == ("T",)), None)
+    if first is not None:
+        for kind, names in (("param", params), ("buffer", buffers)):
+            if names:
+                refs = ", ".join(f"module.{n}" for n in names)
+                v = em.var()
+                em.lines.append(f"    {v} = torch.ops.picklehooks.tap_state({values[first]}, [{refs}], name, "
+                                f"{kind!r}, {','.join(names)!r}, {state_flags})")
+                values[first] = v
+    if flags:
+        values = [em.emit(s, values[i], str(i), "    ") for i, s in enumerate(inputs)]
+    ret = "(" + "".join(v + ", " for v in values) + ")"
+    return _typed("picklehooks_pre", sig, annotation(("U", inputs)), generic, body + em.lines, ret)
+
+
+def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int) -> str:
+    """Text of a forward hook: tap every tensor in the output."""
+    generic = f"_rt.forward(module, output, {flags})"
+    if inputs is None or output is None:
+        return _untyped("picklehooks_forward", "module, inputs, output", generic)
+    sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}, output: {annotation(output)}"
+    em = _Emitter("output", flags)
+    result = em.emit(output, "output", "", "    ")
+    return _typed("picklehooks_forward", sig, annotation(output), generic,
+                  ["    name = module._picklehooks_name"] + em.lines, result)
+
+
+def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret: str) -> str:
+    return (
+        _HEADER
+        + f"def {fn}({sig}) -> {ret_type}:\n"
+        + "    if not torch.jit.is_scripting():\n"
+        + "        if _rt.skip():\n"
+        + "            return None\n"
+        + f"        return {generic}\n"
+        + "".join(line + "\n" for line in body)
+        + f"    return {ret}\n"
+    )
+
+
+def _untyped(fn: str, sig: str, generic: str) -> str:
+    return (
+        "import picklehooks._hookrt as _rt\n"
+        f"def {fn}({sig}):\n"
+        "    if _rt.skip():\n"
+        "        return None\n"
+        f"    return {generic}\n"
+    )

@@ -1,0 +1,107 @@
+"""Runtime for generated logging hooks, outside TorchScript.
+
+A generated hook (see :mod:`picklehooks._generate`) has two bodies: a typed
+one that TorchScript compiles, and ``if not torch.jit.is_scripting():``
+a call into this module, which walks any nested value (tuples, lists, dicts,
+namedtuples, dataclasses) and taps every tensor in it. Eager mode, FX,
+``torch.compile`` and ``torch.export`` all run this path; the last three
+trace it, so it must stay traceable: no data-dependent Python control flow.
+
+While nothing records, :func:`skip` lets eager hooks return at once; while
+tracing it never skips, because the trace must contain the ops whatever the
+recording state is when the graph later runs.
+
+Limits: ``param_grad`` uses tensor hooks that these functions attach lazily
+in eager mode, so it is recorded only where such a hook has been attached by
+an eager recording forward; non-tensor values are recorded (by repr) only in
+eager mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _ops, _state
+
+_FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
+
+PARAM_GRAD = 16  # flags bit, beyond the op's own bits
+_tap = torch.ops.picklehooks.tap
+_tap_state = torch.ops.picklehooks.tap_state
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or _FX_SYMBOLIC()
+
+
+def skip() -> bool:
+    """True when an eager hook can return without doing anything."""
+    return not _tracing() and _state.idle()
+
+
+def _join(path: str, key) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def tap_tree(value, name: str, kind: str, path: str, flags: int):
+    """Return ``value`` with every tensor in it replaced by its tapped copy."""
+    if isinstance(value, torch.Tensor):
+        return _tap(value, name, kind, path, flags)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags) for f, v in zip(value._fields, value)))
+    if isinstance(value, (tuple, list)):
+        return type(value)(tap_tree(v, name, kind, _join(path, i), flags) for i, v in enumerate(value))
+    if isinstance(value, dict):
+        return type(value)((k, tap_tree(v, name, kind, _join(path, k), flags)) for k, v in value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: tap_tree(getattr(value, f.name), name, kind, _join(path, f.name), flags)
+                   for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    if flags & _ops.VALUE and not _tracing():
+        log = _state.active()
+        if log is not None:
+            log._add_value(name, kind, path, value)
+    return value
+
+
+def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buffers: tuple):
+    """Pre-hook body: tap positional inputs; thread params/buffers through the first tensor input."""
+    name = module._picklehooks_name
+    out = list(inputs)
+    first = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor)), None)
+    if first is not None:
+        for kind, names in (("param", params), ("buffer", buffers)):
+            if names:
+                values = [getattr(module, n) for n in names]
+                out[first] = _tap_state(out[first], values, name, kind, ",".join(names), state_flags)
+    if state_flags & PARAM_GRAD and params and not _tracing():
+        _attach_param_grad_hooks(module, name, params, state_flags)
+    if flags:
+        out = [tap_tree(v, name, "input", str(i), flags) for i, v in enumerate(out)]
+    return tuple(out)
+
+
+def forward(module, output, flags: int):
+    """Forward-hook body: tap every tensor in the output."""
+    return tap_tree(output, module._picklehooks_name, "output", "", flags)
+
+
+# Parameters whose gradients we already watch; weak so models can be freed.
+_WATCHED = WeakIdKeyDictionary()
+
+
+def _attach_param_grad_hooks(module, name: str, params: tuple, flags: int) -> None:
+    for pname in params:
+        param = getattr(module, pname)
+        if not isinstance(param, torch.Tensor) or not param.requires_grad or param in _WATCHED:
+            continue
+
+        def deliver(p, module_name=name, param_name=pname, flags=flags):
+            log = _state.active(from_autograd=True)
+            if log is not None and p.grad is not None:
+                log._add_tensor(module_name, "param_grad", param_name, p.grad.detach(), flags)
+
+        _WATCHED[param] = param.register_post_accumulate_grad_hook(deliver)

@@ -1,0 +1,105 @@
+"""The recording ops: ``torch.library`` custom ops that hooks put into the model's dataflow.
+
+Every generated hook rewrites values as ``x = tap(x, ...)``. The op returns a
+copy of ``x`` (custom ops may not return their input) and, when a log is
+recording, hands ``x`` to it. Because its output is used, FX, torch.export
+and Inductor keep it in the graph; because it is an op, TorchScript,
+``torch.compile(fullgraph=True)`` and ``torch.export`` all call it without a
+graph break. Its autograd formula passes the gradient through
+``tap_grad``, which records it: that is how gradients are captured where
+backward hooks are not supported (TorchScript, export).
+
+* ``picklehooks::tap(x, module, kind, path, flags)``: record ``x`` as
+  ``kind`` ("input"/"output"); its gradient as ``"grad_" + kind``.
+* ``picklehooks::tap_grad(g, module, kind, path, flags)``: record ``g``.
+* ``picklehooks::tap_state(x, values, module, kind, names, flags)``: record
+  parameters or buffers (``names`` comma-joined), threaded through ``x`` so that FX and export
+  don't drop the read of a buffer.
+
+``flags`` bits: :data:`VALUE`, :data:`GRAD`, :data:`STATS`, :data:`TENSOR`.
+
+Limits: the ops are registered when picklehooks is imported; a process that
+loads a scripted or exported instrumented model must import picklehooks
+first. The copy costs one memory pass per recorded tensor in traced graphs;
+eager hooks skip the op entirely while nothing records.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _state
+
+VALUE, GRAD, STATS, TENSOR = 1, 2, 4, 8
+
+_NAMESPACE = "picklehooks"
+
+
+def _deliver(x: torch.Tensor, module: str, kind: str, path: str, flags: int, *, from_autograd: bool = False) -> None:
+    log = _state.active(from_autograd=from_autograd)
+    if log is not None:
+        log._add_tensor(module, kind, path, x.detach(), flags)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::tap", mutates_args=())
+def tap(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    if flags & VALUE:
+        _deliver(x, module, kind, path, flags)
+    return x.clone()
+
+
+@tap.register_fake
+def _tap_fake(x, module, kind, path, flags):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::tap_grad", mutates_args=())
+def tap_grad(g: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    _deliver(g, module, kind, path, flags, from_autograd=True)
+    return g.clone()
+
+
+@tap_grad.register_fake
+def _tap_grad_fake(g, module, kind, path, flags):
+    return torch.empty_like(g)
+
+
+def _tap_setup(ctx, inputs, output) -> None:
+    ctx.module, ctx.kind, ctx.path, ctx.flags = inputs[1:5]
+
+
+def _tap_backward(ctx, grad):
+    if ctx.flags & GRAD and grad is not None:
+        grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path, ctx.flags)
+    return grad, None, None, None, None
+
+
+tap.register_autograd(_tap_backward, setup_context=_tap_setup)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::tap_state", mutates_args=())
+def tap_state(
+    x: torch.Tensor, values: list[torch.Tensor], module: str, kind: str, names: str, flags: int
+) -> torch.Tensor:
+    if flags & VALUE:
+        # Schemas have no list-of-str type, so the names arrive comma-joined.
+        for name, value in zip(names.split(","), values):
+            _deliver(value, module, kind, name, flags)
+    return x.clone()
+
+
+@tap_state.register_fake
+def _tap_state_fake(x, values, module, kind, names, flags):
+    return torch.empty_like(x)
+
+
+def _tap_state_setup(ctx, inputs, output) -> None:
+    ctx.n_values = len(inputs[1])
+
+
+def _tap_state_backward(ctx, grad):
+    # The recorded values get no gradient through this op: it only reads them.
+    return grad, [None] * ctx.n_values, None, None, None, None
+
+
+tap_state.register_autograd(_tap_state_backward, setup_context=_tap_state_setup)

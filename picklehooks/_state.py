@@ -1,0 +1,44 @@
+"""Which log is recording right now: per thread/context, with a fallback for autograd threads.
+
+``record()`` sets a :mod:`contextvars` variable, so recording is on for the
+current thread or asyncio task only. Backward passes may run on autograd's
+device threads, which don't inherit context; there, a gradient goes to the
+one log that is active anywhere in the process, if there is exactly one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import Any
+
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("picklehooks_active_log", default=None)
+_ANYWHERE: list = []  # logs active in any thread, for autograd threads
+_LOCK = threading.Lock()
+
+
+def active(*, from_autograd: bool = False):
+    """Return the log recording in this context, or ``None``."""
+    log = _ACTIVE.get()
+    if log is None and from_autograd:
+        with _LOCK:
+            if len(_ANYWHERE) == 1:
+                return _ANYWHERE[0]
+    return log
+
+
+def push(log) -> contextvars.Token:
+    with _LOCK:
+        _ANYWHERE.append(log)
+    return _ACTIVE.set(log)
+
+
+def pop(log, token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
+    with _LOCK:
+        _ANYWHERE.remove(log)
+
+
+def idle() -> bool:
+    """True when nothing records here, so a plain eager hook may skip its work."""
+    return _ACTIVE.get() is None and not _ANYWHERE
