@@ -172,9 +172,17 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     if first is not None:
         for kind, names in (("param", params), ("buffer", buffers)):
             if names:
-                refs = ", ".join(f"module.{n}" for n in names)
+                # Detached, so recording a parameter never makes the input require grad.
+                refs = []
+                for n in names:
+                    ref = em.var()
+                    em.lines += [f"    {ref} = module.{n}", f"    if {ref} is not None:",
+                                 f"        {ref} = {ref}.detach()"]
+                    refs.append(ref)
                 v = em.var()
-                em.lines.append(f"    {v} = torch.ops.picklehooks.tap_state({values[first]}, [{refs}], name, "
+                # Annotated: TorchScript types e.g. Conv2d.bias as Tensor?, and lists are invariant.
+                refs = f"torch.jit.annotate(List[Optional[torch.Tensor]], [{', '.join(refs)}])"
+                em.lines.append(f"    {v} = torch.ops.picklehooks.tap_state({values[first]}, {refs}, name, "
                                 f"{kind!r}, {','.join(names)!r}, {state_flags})")
                 values[first] = v
     if flags:

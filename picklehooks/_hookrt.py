@@ -46,9 +46,13 @@ def _join(path: str, key) -> str:
     return f"{path}/{key}" if path else str(key)
 
 
+# FX symbolic tracing hands hooks Proxies where tensors will be.
+_TENSORLIKE = (torch.Tensor, torch.fx.Proxy)
+
+
 def tap_tree(value, name: str, kind: str, path: str, flags: int):
     """Return ``value`` with every tensor in it replaced by its tapped copy."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, _TENSORLIKE):
         return _tap(value, name, kind, path, flags)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags) for f, v in zip(value._fields, value)))
@@ -71,11 +75,12 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
     """Pre-hook body: tap positional inputs; thread params/buffers through the first tensor input."""
     name = module._picklehooks_name
     out = list(inputs)
-    first = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor)), None)
+    first = next((i for i, v in enumerate(out) if isinstance(v, _TENSORLIKE)), None)
     if first is not None:
         for kind, names in (("param", params), ("buffer", buffers)):
             if names:
-                values = [getattr(module, n) for n in names]
+                # Detached, so recording a parameter never makes the input require grad.
+                values = [getattr(module, n).detach() for n in names]
                 out[first] = _tap_state(out[first], values, name, kind, ",".join(names), state_flags)
     if state_flags & PARAM_GRAD and params and not _tracing():
         _attach_param_grad_hooks(module, name, params, state_flags)
@@ -105,3 +110,11 @@ def _attach_param_grad_hooks(module, name: str, params: tuple, flags: int) -> No
                 log._add_tensor(module_name, "param_grad", param_name, p.grad.detach(), flags)
 
         _WATCHED[param] = param.register_post_accumulate_grad_hook(deliver)
+
+
+def detach_param_grad_hooks(module) -> None:
+    """Remove the ``param_grad`` hooks attached to ``module``'s own parameters."""
+    for param in module.parameters(recurse=False):
+        handle = _WATCHED.pop(param, None)
+        if handle is not None:
+            handle.remove()

@@ -26,6 +26,8 @@ eager hooks skip the op entirely while nothing records.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import _state
@@ -79,12 +81,14 @@ tap.register_autograd(_tap_backward, setup_context=_tap_setup)
 
 @torch.library.custom_op(f"{_NAMESPACE}::tap_state", mutates_args=())
 def tap_state(
-    x: torch.Tensor, values: list[torch.Tensor], module: str, kind: str, names: str, flags: int
+    x: torch.Tensor, values: list[Optional[torch.Tensor]], module: str, kind: str, names: str, flags: int
 ) -> torch.Tensor:
     if flags & VALUE:
         # Schemas have no list-of-str type, so the names arrive comma-joined.
+        # Optional because TorchScript types attributes such as Conv2d.bias as Tensor?.
         for name, value in zip(names.split(","), values):
-            _deliver(value, module, kind, name, flags)
+            if value is not None:
+                _deliver(value, module, kind, name, flags)
     return x.clone()
 
 

@@ -346,7 +346,8 @@ class _HubLoader(importlib.abc.Loader):
         self.bind(module.__dict__)
 
     def get_source(self, fullname: str) -> str | None:
-        if fullname != self.module_name:
+        # The hub and each hook's own globals module ("<hub>.<name>") share one text.
+        if fullname != self.module_name and not fullname.startswith(self.module_name + "."):
             return None
         with self._lock:
             return "".join(self._lines)
@@ -386,16 +387,21 @@ class _HubLoader(importlib.abc.Loader):
             source += "\n"
         ast.increment_lineno(tree, len(self._lines))
         code = compile(tree, self.filename, "exec", dont_inherit=True)
-        namespace = {
-            "__name__": self.module_name,
-            "__file__": self.filename,
-            "__loader__": self,
-            "__spec__": None,  # so linecache asks __loader__, which is this object
+        # Each hook gets its own globals (hooks' constants must not collide),
+        # which are the dict of a real module named "<hub>.<name>": torch.compile
+        # guards a global by importing f_globals["__name__"] and reading it there.
+        hook_module = types.ModuleType(f"{self.module_name}.{name}")
+        namespace = hook_module.__dict__
+        namespace.update(
+            __file__=self.filename,
+            __loader__=self,
+            __spec__=None,  # so linecache asks __loader__, which is this object
             # Inside a torch.package archive these are the archive's builtins, so
             # the hook's imports resolve through the archive like any packaged code.
-            "__builtins__": self._namespace.get("__builtins__", builtins),
-        }
+            __builtins__=self._namespace.get("__builtins__", builtins),
+        )
         exec(code, namespace)
+        sys.modules.setdefault(hook_module.__name__, hook_module)
         fn = namespace[def_name]
         fn.__name__ = fn.__qualname__ = name
         fn.__module__ = self.module_name

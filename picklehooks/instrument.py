@@ -56,6 +56,7 @@ class Instrumentation:
         self._handles.clear()
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
+            _hookrt.detach_param_grad_hooks(module)
         self.modules.clear()
 
     def __enter__(self) -> Instrumentation:

@@ -37,6 +37,7 @@ __all__ = ["Record", "Log", "record", "STAT_NAMES"]
 #: The statistics each record carries, in addition to ``shape`` and ``dtype``.
 STAT_NAMES = ("mean", "std", "min", "max", "absmax", "norm", "nan", "inf", "zero_frac")
 _COUNTS = ("nan", "inf")
+_LIVE_KINDS = frozenset({"param", "buffer", "param_grad"})
 _FORWARD_OF = {"grad_output": "output", "grad_input": "input", "param_grad": "param"}
 
 
@@ -145,7 +146,8 @@ class Log:
         rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
                      shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""), _log=self)
         if flags & TENSOR:
-            rec.tensor = x
+            # Parameters, buffers and .grad change in place later; activations don't.
+            rec.tensor = x.clone() if kind in _LIVE_KINDS else x
         if flags & STATS or not flags & TENSOR:
             rec._raw_stats = _stats_tensor(x)
             self._pending.append(rec)
