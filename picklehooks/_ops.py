@@ -26,6 +26,7 @@ eager hooks skip the op entirely while nothing records.
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -43,67 +44,84 @@ def _deliver(x: torch.Tensor, module: str, kind: str, path: str, flags: int, *, 
         log._add_tensor(module, kind, path, x.detach(), flags)
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::tap", mutates_args=())
-def tap(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
-    if flags & VALUE:
-        _deliver(x, module, kind, path, flags)
-    return x.clone()
+def _defined() -> bool:
+    try:
+        torch.ops.picklehooks.tap  # noqa: B018 - raises if the op is not registered
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
-@tap.register_fake
-def _tap_fake(x, module, kind, path, flags):
-    return torch.empty_like(x)
+def _define_ops() -> None:
+    """Register the ops (once per process)."""
+
+    @torch.library.custom_op(f"{_NAMESPACE}::tap", mutates_args=())
+    def tap(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+        if flags & VALUE:
+            _deliver(x, module, kind, path, flags)
+        elif flags & GRAD:
+            log = _state.active()
+            if log is not None:
+                log._note_call(module, kind, path)  # so the gradient's record gets the right call
+        return x.clone()
+
+    @tap.register_fake
+    def _tap_fake(x, module, kind, path, flags):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op(f"{_NAMESPACE}::tap_grad", mutates_args=())
+    def tap_grad(g: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+        _deliver(g, module, kind, path, flags, from_autograd=True)
+        return g.clone()
+
+    @tap_grad.register_fake
+    def _tap_grad_fake(g, module, kind, path, flags):
+        return torch.empty_like(g)
+
+    def _tap_setup(ctx, inputs, output) -> None:
+        ctx.module, ctx.kind, ctx.path, ctx.flags = inputs[1:5]
+
+    def _tap_backward(ctx, grad):
+        if ctx.flags & GRAD and grad is not None:
+            grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path, ctx.flags)
+        return grad, None, None, None, None
+
+    tap.register_autograd(_tap_backward, setup_context=_tap_setup)
+
+    @torch.library.custom_op(f"{_NAMESPACE}::tap_state", mutates_args=())
+    def tap_state(
+        x: torch.Tensor, values: list[Optional[torch.Tensor]], module: str, kind: str, names: str, flags: int
+    ) -> torch.Tensor:
+        if flags & VALUE:
+            # Schemas have no list-of-str type, so the names arrive comma-joined.
+            # Optional because TorchScript types attributes such as Conv2d.bias as Tensor?.
+            for name, value in zip(names.split(","), values):
+                if value is not None:
+                    _deliver(value, module, kind, name, flags)
+        return x.clone()
+
+    @tap_state.register_fake
+    def _tap_state_fake(x, values, module, kind, names, flags):
+        return torch.empty_like(x)
+
+    def _tap_state_setup(ctx, inputs, output) -> None:
+        ctx.n_values = len(inputs[1])
+
+    def _tap_state_backward(ctx, grad):
+        # The recorded values get no gradient through this op: it only reads them.
+        return grad, [None] * ctx.n_values, None, None, None, None
+
+    tap_state.register_autograd(_tap_state_backward, setup_context=_tap_state_setup)
 
 
-@torch.library.custom_op(f"{_NAMESPACE}::tap_grad", mutates_args=())
-def tap_grad(g: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
-    _deliver(g, module, kind, path, flags, from_autograd=True)
-    return g.clone()
-
-
-@tap_grad.register_fake
-def _tap_grad_fake(g, module, kind, path, flags):
-    return torch.empty_like(g)
-
-
-def _tap_setup(ctx, inputs, output) -> None:
-    ctx.module, ctx.kind, ctx.path, ctx.flags = inputs[1:5]
-
-
-def _tap_backward(ctx, grad):
-    if ctx.flags & GRAD and grad is not None:
-        grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path, ctx.flags)
-    return grad, None, None, None, None
-
-
-tap.register_autograd(_tap_backward, setup_context=_tap_setup)
-
-
-@torch.library.custom_op(f"{_NAMESPACE}::tap_state", mutates_args=())
-def tap_state(
-    x: torch.Tensor, values: list[Optional[torch.Tensor]], module: str, kind: str, names: str, flags: int
-) -> torch.Tensor:
-    if flags & VALUE:
-        # Schemas have no list-of-str type, so the names arrive comma-joined.
-        # Optional because TorchScript types attributes such as Conv2d.bias as Tensor?.
-        for name, value in zip(names.split(","), values):
-            if value is not None:
-                _deliver(value, module, kind, name, flags)
-    return x.clone()
-
-
-@tap_state.register_fake
-def _tap_state_fake(x, values, module, kind, names, flags):
-    return torch.empty_like(x)
-
-
-def _tap_state_setup(ctx, inputs, output) -> None:
-    ctx.n_values = len(inputs[1])
-
-
-def _tap_state_backward(ctx, grad):
-    # The recorded values get no gradient through this op: it only reads them.
-    return grad, [None] * ctx.n_values, None, None, None, None
-
-
-tap_state.register_autograd(_tap_state_backward, setup_context=_tap_state_setup)
+# The host's picklehooks registers the ops. A copy of this file inside a
+# torch.package archive (see picklehooks._shim) defers to the host's when
+# picklehooks is installed there, and otherwise registers them itself, once,
+# however many archives are loaded: op names are global to the process.
+if __name__ != "picklehooks._ops":
+    try:
+        importlib.import_module("picklehooks._ops")
+    except ImportError:
+        pass
+if not _defined():
+    _define_ops()

@@ -487,11 +487,49 @@ def _hook_imports(source: str) -> list[str]:
     return names
 
 
+_PACKAGE = SHIM_NAME.rpartition(".")[0]
+
+
+def _own_imports(source: str, module_name: str) -> list[str]:
+    """The modules of our own package that ``source`` (module ``module_name``) imports."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = module_name.rsplit(".", node.level)[0]
+            found += [f"{base}.{node.module}"] if node.module else [f"{base}.{a.name}" for a in node.names]
+    return [m for m in found if m.startswith(_PACKAGE + ".")]
+
+
+def _package_own_module(exporter, module_name: str) -> None:
+    """Copy one of our modules (e.g. the logging runtime a generated hook imports) into the archive.
+
+    Its own imports from this package go first, so that the exporter's scan
+    finds them already provided instead of asking the user's patterns; the
+    copies defer to the host's picklehooks where one is installed.
+    """
+    node = exporter.dependency_graph.nodes.get(module_name, {})
+    if node.get("provided") or node.get("picklehooks_visiting"):
+        return
+    exporter.dependency_graph.add_node(module_name, picklehooks_visiting=True)
+    module = exporter.importer.import_module(module_name)
+    source = module.__loader__.get_source(module.__name__)
+    for dep in _own_imports(source, module_name):
+        _package_own_module(exporter, dep)
+    exporter.save_source_string(module_name, source)
+
+
 def _reduce_package(name: str, exporter) -> tuple:
     """``__reduce_package__`` of every hook: package the shim and the hook's imports."""
     prepare_exporter(exporter)
     source = decode(name)
     for module in _hook_imports(source):
+        if module.startswith(_PACKAGE + "."):
+            _package_own_module(exporter, module)
+            continue
         # The imports hide inside the name, where the exporter's scan can't see them.
         exporter.add_dependency(module)
         node = exporter.dependency_graph.nodes.get(module, {})

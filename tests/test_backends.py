@@ -64,7 +64,7 @@ def backend_summary(backend: str, name: str, tmp_path) -> dict:
         torch.save(model, tmp_path / "model.pt")
         return child_summary("pickle", tmp_path / "model.pt", tmp_path, x)
     if backend == "package":
-        picklehooks.package.save(tmp_path / "model.pt", model, extern=("picklehooks", "picklehooks.**"))
+        picklehooks.package.save(tmp_path / "model.pt", model)
         return child_summary("package", tmp_path / "model.pt", tmp_path, x)
     if backend in ("script", "script_saveload"):
         scripted = torch.jit.script(model)

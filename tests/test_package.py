@@ -181,3 +181,35 @@ class TestLoad:
             pe.save_pickle("model", "model.pkl", loaded)
         again = PackageImporter(tmp_path / "again.pt").load_pickle("model", "model.pkl")
         assert torch.equal(again(X), model(X))
+
+
+class TestInstrumented:
+    def test_instrumented_model_without_picklehooks(self, tmp_path):
+        """An instrumented model's archive carries the logging runtime: it runs and scripts without picklehooks."""
+        from tests import models
+
+        model = models.transformer()
+        x = models.inputs("transformer")
+        handle = picklehooks.instrument(model, capture="all", example_inputs=x, scriptable=True)
+        assert handle.modules
+        path, inputs = tmp_path / "model.pt", tmp_path / "inputs.pt"
+        picklehooks.package.save(path, model)
+        torch.save(x, inputs)
+        out = run_without_picklehooks(
+            """
+            import torch
+            from torch.package import PackageImporter
+            model = PackageImporter(sys.argv[1]).load_pickle("model", "model.pkl")
+            x = torch.load(sys.argv[2])
+            hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+            eager = model(*x)[0]
+            scripted = torch.jit.script(model)(*x)[0]
+            assert torch.equal(eager, scripted)
+            print(hooks, eager.tolist())
+            """,
+            str(path),
+            str(inputs),
+        )
+        count, result = out.strip().split(" ", 1)
+        assert int(count) == sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) > 0
+        assert result == str(model(*x)[0].tolist())
