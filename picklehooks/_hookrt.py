@@ -50,10 +50,46 @@ def _join(path: str, key) -> str:
 _TENSORLIKE = (torch.Tensor, torch.fx.Proxy)
 
 
+class _GradRecorder:
+    """Tensor hook of the eager path: hands a gradient to the log."""
+
+    __slots__ = ("name", "kind", "path", "flags")
+
+    def __init__(self, name: str, kind: str, path: str, flags: int) -> None:
+        self.name, self.kind, self.path, self.flags = name, kind, path, flags
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        log = _state.active(from_autograd=True)
+        if log is not None:
+            log._add_tensor(self.name, self.kind, self.path, grad, self.flags)
+
+
+def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    """What the tap op does, for plain eager mode, without the op's dispatch cost.
+
+    No graph has to keep the call, so the value is recorded directly and the
+    gradient through a hook on a fresh view (a view, so that a tensor shared
+    with other consumers only reports the gradient flowing through this use).
+    """
+    log = _state.active()
+    if log is None:
+        return x
+    if flags & _ops.VALUE:
+        log._add_tensor(name, kind, path, x, flags)
+    elif flags & _ops.GRAD:
+        log._note_call(name, kind, path)
+    if flags & _ops.GRAD and x.requires_grad:
+        x = x.view_as(x)
+        x.register_hook(_GradRecorder(name, "grad_" + kind, path, flags))
+    return x
+
+
 def tap_tree(value, name: str, kind: str, path: str, flags: int):
     """Return ``value`` with every tensor in it replaced by its tapped copy."""
     if isinstance(value, _TENSORLIKE):
-        return _tap(value, name, kind, path, flags)
+        if _tracing() or not isinstance(value, torch.Tensor):
+            return _tap(value, name, kind, path, flags)
+        return _eager_tap(value, name, kind, path, flags)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags) for f, v in zip(value._fields, value)))
     if isinstance(value, (tuple, list)):
@@ -81,7 +117,13 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
             if names:
                 # Detached, so recording a parameter never makes the input require grad.
                 values = [getattr(module, n).detach() for n in names]
-                out[first] = _tap_state(out[first], values, name, kind, ",".join(names), state_flags)
+                if _tracing():
+                    out[first] = _tap_state(out[first], values, name, kind, ",".join(names), state_flags)
+                elif state_flags & _ops.VALUE:
+                    log = _state.active()
+                    for n, v in zip(names, values):
+                        if log is not None and v is not None:
+                            log._add_tensor(name, kind, n, v, state_flags)
     if state_flags & PARAM_GRAD and params and not _tracing():
         _attach_param_grad_hooks(module, name, params, state_flags)
     if flags:

@@ -7,14 +7,16 @@ small tensor per record, and copied to the host all at once the first time
 any record's ``stats`` is read: no host synchronisation per hook.
 
 ``log.save(dir)`` writes an open format: ``records.json`` (every field and
-statistic, readable by any JSON reader) and, when tensors were kept,
+statistic, strict JSON: non-finite statistics are the strings ``"NaN"``,
+``"Infinity"`` and ``"-Infinity"``) and, when tensors were kept,
 ``tensors.safetensors`` (keys are record indices). :meth:`Log.load` reads it
 back.
 
 Limits: non-tensor values are recorded by ``repr`` only where Python runs
-the hook (eager mode); ``std`` is the population standard deviation; ``call``
-numbers backward records by matching them, in reverse, to the forward calls
-of the same module, which is exact for one backward pass per forward.
+the hook (eager mode); ``std`` is the population standard deviation. A
+gradient's ``call`` is that of the latest forward call of the same module
+whose gradient hasn't arrived yet, which is exact whenever each backward pass
+follows its own forward (training loops, modules called several times).
 """
 
 from __future__ import annotations
@@ -30,39 +32,36 @@ import torch
 
 from . import _state
 from ._ops import STATS, TENSOR
+from ._stats import STAT_NAMES, empty_row, exact_counts, matrix_stats
 from ._shim import PicklehooksError
 
 __all__ = ["Record", "Log", "record", "STAT_NAMES"]
 
-#: The statistics each record carries, in addition to ``shape`` and ``dtype``.
-STAT_NAMES = ("mean", "std", "min", "max", "absmax", "norm", "nan", "inf", "zero_frac")
 _COUNTS = ("nan", "inf")
-_LIVE_KINDS = frozenset({"param", "buffer", "param_grad"})
+#: Bytes of recorded copies a log keeps for batched statistics before reducing them.
+PENDING_BYTES = 64 << 20
+
+
+class _Batch:
+    """Copies of recorded tensors with one (device, dtype, size): the rows of one matrix.
+
+    Copying into a preallocated row costs no allocation, and the statistics
+    of all rows come from a handful of row-wise reductions.
+    """
+
+    __slots__ = ("data", "used", "wanting_stats")
+
+    def __init__(self, like: torch.Tensor, rows: int) -> None:
+        self.data = torch.empty((rows, like.numel()), dtype=like.dtype, device=like.device)
+        self.used = 0
+        self.wanting_stats: list[tuple[Record, int]] = []
+
+    def add(self, x: torch.Tensor) -> int:
+        row = self.used
+        self.data[row].copy_(x.reshape(-1))
+        self.used += 1
+        return row
 _FORWARD_OF = {"grad_output": "output", "grad_input": "input", "param_grad": "param"}
-
-
-def _stats_tensor(x: torch.Tensor) -> torch.Tensor:
-    """All of :data:`STAT_NAMES` as one float64 tensor on ``x``'s device (no sync)."""
-    if x.numel() == 0:
-        return torch.full((len(STAT_NAMES),), math.nan, dtype=torch.float64, device=x.device)
-    v = x.detach()
-    if v.is_complex():
-        v = v.abs()
-    v = v.to(torch.float64)
-    lo, hi = torch.aminmax(v)
-    return torch.stack(
-        [
-            v.mean(),
-            v.std(correction=0),
-            lo,
-            hi,
-            v.abs().max(),
-            torch.linalg.vector_norm(v),
-            torch.isnan(v).sum().to(torch.float64),
-            torch.isinf(v).sum().to(torch.float64),
-            (v == 0).sum().to(torch.float64) / v.numel(),
-        ]
-    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,7 +92,7 @@ class Record:
     @property
     def stats(self) -> dict | None:
         """``shape, dtype`` and :data:`STAT_NAMES`; ``None`` for non-tensor values or ``mode="tensor"``."""
-        if self._stats is None and self._raw_stats is not None and self._log is not None:
+        if self._stats is None and self._log is not None and self.shape is not None:
             self._log._materialise()
         return self._stats
 
@@ -128,45 +127,109 @@ class Log:
         self.records: list[Record] = []
         self.step = step
         self._calls: dict[tuple[str, str, str], int] = {}
-        self._pending: list[Record] = []
+        # Forward calls whose gradient hasn't arrived yet, per (module, kind, path):
+        # backward handles the latest forward first, so gradients pop from the end.
+        self._awaiting_grad: dict[tuple[str, str, str], list[int]] = {}
+        self._unmaterialised: list[Record] = []
+        self._batches: dict[tuple, _Batch] = {}  # the batch being filled, per key
+        self._full: list[_Batch] = []  # filled batches, not yet reduced
+        self._batch_rows: dict[tuple, int] = {}
+        self._pending_bytes = 0
 
     # -- adding (called by the ops and the eager hooks) ---------------------
     def _next_call(self, module: str, kind: str, path: str) -> int:
         key = (module, kind, path)
-        seen = self._calls.get(key, 0)
-        self._calls[key] = seen + 1
         forward = _FORWARD_OF.get(kind)
+        if forward is not None:
+            waiting = self._awaiting_grad.get((module, forward, path))
+            if waiting:
+                return waiting.pop()
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
         if forward is None:
-            return seen
-        # Backward runs calls in reverse: the first gradient belongs to the last call.
-        calls = self._calls.get((module, forward, path), 0)
-        return calls - 1 - seen if calls > seen else seen
+            self._awaiting_grad.setdefault(key, []).append(call)
+        return call
+
+    def _note_call(self, module: str, kind: str, path: str) -> None:
+        """Count a forward call whose value isn't recorded, so its gradient gets the right ``call``."""
+        self._next_call(module, kind, path)
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
+        # Always a copy: the caller's tensor may change in place later (inplace
+        # ReLU, optimizer steps, gradient accumulation). One memory pass, no sync.
+        x = x.detach()
         rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
                      shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""), _log=self)
-        if flags & TENSOR:
-            # Parameters, buffers and .grad change in place later; activations don't.
-            rec.tensor = x.clone() if kind in _LIVE_KINDS else x
-        if flags & STATS or not flags & TENSOR:
-            rec._raw_stats = _stats_tensor(x)
-            self._pending.append(rec)
         self.records.append(rec)
+        wants_stats = bool(flags & STATS or not flags & TENSOR)
+        if x.numel() == 0:
+            rec.tensor = x.clone() if flags & TENSOR else None
+            if wants_stats:
+                rec._raw_stats = empty_row(x.device)
+                self._unmaterialised.append(rec)
+            return
+        key = (x.device, x.dtype, x.numel())
+        batch = self._batches.get(key)
+        if batch is None or batch.used == len(batch.data):
+            if batch is not None:
+                self._full.append(batch)
+            # Grow batches of a size seen often, up to the memory budget.
+            rows = self._batch_rows.get(key, 16)
+            self._batch_rows[key] = min(rows * 4, 1024, max(16, PENDING_BYTES // (x.numel() * x.element_size())))
+            batch = self._batches[key] = _Batch(x, rows)
+        row = batch.add(x)
+        if flags & TENSOR:
+            rec.tensor = batch.data[row].view(x.shape)
+        if wants_stats:
+            batch.wanting_stats.append((rec, row))
+        self._pending_bytes += x.numel() * x.element_size()
+        if self._pending_bytes > PENDING_BYTES:
+            self._reduce_pending()
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
         self.records.append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
                                    value=repr(value), _log=self))
 
+    def _retire(self, batch: _Batch, *, exact: bool = True) -> torch.Tensor | None:
+        """Compute a full batch's statistics on its device (no sync) and hand them to its records."""
+        if not batch.wanting_stats:
+            return None
+        table = matrix_stats(batch.data[: batch.used], counts=exact)
+        for rec, row in batch.wanting_stats:
+            rec._raw_stats = table[row]
+            self._unmaterialised.append(rec)
+        return table
+
+    def _reduce_pending(self) -> None:
+        """Reduce every kept copy to statistics, to bound memory (no sync)."""
+        for batch in [*self._full, *self._batches.values()]:
+            self._retire(batch)
+        self._full, self._batches, self._pending_bytes = [], {}, 0
+
     def _materialise(self) -> None:
-        """Copy every pending statistic to the host in one transfer per device."""
-        pending, self._pending = self._pending, []
+        """Copy every statistic not yet read to the host, one transfer per device.
+
+        Reading syncs anyway, so the fast path leaves NaN/Inf counts unknown
+        and they are counted here only for the tensors whose sums weren't finite.
+        """
+        kept = {}
+        for batch in [*self._full, *self._batches.values()]:
+            self._retire(batch, exact=False)
+            kept.update({id(rec): batch.data[row] for rec, row in batch.wanting_stats})
+        self._full, self._batches, self._pending_bytes = [], {}, 0
+        unread, self._unmaterialised = self._unmaterialised, []
         by_device: dict[torch.device, list[Record]] = {}
-        for rec in pending:
+        for rec in unread:
             by_device.setdefault(rec._raw_stats.device, []).append(rec)
         for recs in by_device.values():
             rows = torch.stack([r._raw_stats for r in recs]).cpu().tolist()
             for rec, values in zip(recs, rows):
                 stats = dict(zip(STAT_NAMES, values))
+                if math.isnan(stats["nan"]):  # unknown: zero unless the sums say otherwise
+                    if math.isfinite(stats["mean"]) and math.isfinite(stats["norm"]):
+                        stats["nan"] = stats["inf"] = 0
+                    else:
+                        stats["nan"], stats["inf"], stats["zero_frac"] = exact_counts(kept[id(rec)])
                 for name in _COUNTS:
                     stats[name] = int(stats[name])
                 rec._stats = {"shape": rec.shape, "dtype": rec.dtype, **stats}
@@ -210,7 +273,8 @@ class Log:
     def save(self, path: str | os.PathLike) -> None:
         """Write ``records.json`` (and ``tensors.safetensors`` if tensors were kept) into directory ``path``."""
         os.makedirs(path, exist_ok=True)
-        tensors = {str(i): r.tensor.detach().cpu().contiguous() for i, r in enumerate(self.records)
+        # Cloned: safetensors refuses tensors that share memory, as one value recorded twice does.
+        tensors = {str(i): r.tensor.detach().cpu().clone().contiguous() for i, r in enumerate(self.records)
                    if r.tensor is not None}
         if tensors:
             try:
@@ -220,10 +284,11 @@ class Log:
                     "saving recorded tensors needs safetensors: pip install 'picklehooks[log]' "
                     "(or record with mode='stats')") from None
             save_file(tensors, os.path.join(path, "tensors.safetensors"))
+        rows = [{k: _json_float(v) for k, v in row.items()} for row in self.table()]
         document = {"format": "picklehooks-log", "version": 1, "step": self.step, "stat_names": list(STAT_NAMES),
-                    "records": self.table()}
+                    "records": rows}
         with open(os.path.join(path, "records.json"), "w") as f:
-            json.dump(document, f, indent=1, allow_nan=True)
+            json.dump(document, f, indent=1, allow_nan=False)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Log:
@@ -243,6 +308,7 @@ class Log:
             tensors = load_file(tensor_file)
         log = cls(step=document["step"])
         for index, row in enumerate(document["records"]):
+            row = {k: _from_json_float(v) if k in STAT_NAMES else v for k, v in row.items()}
             shape = tuple(row["shape"]) if row["shape"] is not None else None
             rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
                          dtype=row["dtype"], value=row["value"], rank=row.get("rank"),
@@ -251,6 +317,20 @@ class Log:
                 rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
             log.records.append(rec)
         return log
+
+
+# Strict JSON has no NaN or Infinity; they are written as these strings.
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _json_float(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def _from_json_float(value):
+    return _NONFINITE.get(value, value) if isinstance(value, str) else value
 
 
 @contextlib.contextmanager
