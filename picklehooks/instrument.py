@@ -108,20 +108,37 @@ def _select(model: nn.Module, modules, depth: int | None) -> dict[str, nn.Module
 
 
 def _observe(model: nn.Module, chosen: dict[str, nn.Module], args: Sequence, kwargs: dict) -> dict[str, tuple]:
-    """Run one example forward and note each chosen module's first (positional inputs, output)."""
+    """Run one example forward and note each chosen module's first (positional inputs, output).
+
+    The model comes back as it was: buffers (e.g. BatchNorm's running
+    statistics) are restored and the random number generators are forked.
+    """
     seen: dict[str, tuple] = {}
     handles = []
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = sorted({b.device.index for b in [*model.parameters(), *model.buffers()]
+                      if b.device.type == "cuda"} - {None})
     try:
         for name, module in chosen.items():
             def note(mod, inputs, output, name=name):
                 seen.setdefault(name, (inputs, output))
 
             handles.append(module.register_forward_hook(note))
-        with torch.no_grad():
-            model(*args, **kwargs)
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            try:
+                model(*args, **kwargs)
+            except Exception as exc:
+                raise PicklehooksError(
+                    f"the example forward failed ({type(exc).__name__}: {exc}); example_inputs must be "
+                    "arguments the model accepts, as in model(*example_inputs, **example_kwargs)"
+                ) from exc
     finally:
         for handle in handles:
             handle.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
     return seen
 
 
@@ -197,7 +214,12 @@ def instrument(
     if clash:
         raise PicklehooksError(f"modules {clash[:3]} are already instrumented; call remove() on that handle first")
     if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        raise PicklehooksError(f"example_inputs must be a tuple of forward arguments, got {type(example_inputs).__name__}")
+        raise PicklehooksError(
+            f"example_inputs must be a tuple of forward arguments, got {type(example_inputs).__name__}; "
+            "for a single tensor write example_inputs=(x,)"
+        )
+    if example_inputs is None and example_kwargs is not None:
+        example_inputs = ()
     observed = _observe(model, chosen, example_inputs, example_kwargs or {}) if example_inputs is not None else {}
 
     store = MODES[mode]

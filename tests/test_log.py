@@ -710,3 +710,25 @@ class TestNonTensorValues:
         assert value_rec.value == "3"
         assert value_rec.stats is None and value_rec.tensor is None and value_rec.shape is None
         assert log.table()[1]["value"] == "3" and log.table()[1]["mean"] is None
+
+
+class TestExampleForward:
+    def test_example_forward_leaves_model_unchanged(self):
+        """The observation forward restores BatchNorm buffers and doesn't consume the RNG."""
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        x = torch.randn(8, 4) * 5 + 3
+        torch.manual_seed(123)
+        expected_next = torch.rand(3)
+        torch.manual_seed(123)
+        picklehooks.instrument(model, example_inputs=(x,))
+        assert torch.equal(torch.rand(3), expected_next)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+    def test_failing_example_forward_is_explained(self):
+        """A bad example input gets a PicklehooksError naming the failure, and no hooks stay behind."""
+        model = nn.Sequential(nn.Linear(4, 4))
+        with pytest.raises(picklehooks.PicklehooksError, match="example forward failed"):
+            picklehooks.instrument(model, example_inputs=(torch.randn(2, 7),))
+        assert not model[0]._forward_hooks and "_picklehooks_name" not in model[0].__dict__
