@@ -14,6 +14,7 @@ The layers, bottom up (no module imports one above it):
 * :mod:`picklehooks.log`: ``record()``, ``Log`` and ``Record``;
 * :mod:`picklehooks.instrument`: ``instrument(model)``;
 * :mod:`picklehooks.package`: torch.package helpers;
+* :mod:`picklehooks.weights_only`: ``safe_globals()`` for ``torch.load(weights_only=True)``;
 * :mod:`picklehooks.audit`: lists the hooks in a file without loading it;
 * :mod:`picklehooks.__main__`: the command line (``demo``, ``inspect``).
 """
@@ -26,6 +27,7 @@ from . import codec
 from .instrument import Instrumentation, instrument
 from .log import Log, Record, record
 from .portable import is_portable, portable
+from .weights_only import safe_globals
 
 __all__ = [
     "portable",
@@ -35,6 +37,7 @@ __all__ = [
     "record",
     "Log",
     "Record",
+    "safe_globals",
     "codec",
     "PicklehooksError",
     "DecodeError",

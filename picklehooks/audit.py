@@ -56,7 +56,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from ._shim import HUB_NAME, DecodeError
+from ._shim import HUB_NAME, DecodeError, PicklehooksError
 from .codec import decode
 
 __all__ = ["AuditError", "HookEntry", "find_hooks", "main"]
@@ -73,7 +73,7 @@ _PACKAGE_MANGLE = re.compile(r"<torch_package_\d+>\.")
 _PACKAGED_HOOK_LOADER = ("picklehooks._shim", "_load_packaged_hook")
 
 
-class AuditError(Exception):
+class AuditError(PicklehooksError, ValueError):
     """The file can't be audited: it is missing, unreadable, or not a pickle/checkpoint."""
 
 
