@@ -120,12 +120,19 @@ class Record:
         return row
 
 
+def _current_rank() -> int | None:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
 class Log:
     """What one ``record()`` captured: ``log.records``, plus tables and files."""
 
     def __init__(self, *, step: int = 0) -> None:
         self.records: list[Record] = []
         self.step = step
+        #: This process's torch.distributed rank, if a process group is up; every record carries it.
+        self.rank = _current_rank()
         self._calls: dict[tuple[str, str, str], int] = {}
         # Forward calls whose gradient hasn't arrived yet, per (module, kind, path):
         # backward handles the latest forward first, so gradients pop from the end.
@@ -159,7 +166,7 @@ class Log:
         # ReLU, optimizer steps, gradient accumulation). One memory pass, no sync.
         x = x.detach()
         rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                     shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""), _log=self)
+                     shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""), rank=self.rank, _log=self)
         self.records.append(rec)
         wants_stats = bool(flags & STATS or not flags & TENSOR)
         if x.numel() == 0:
@@ -188,7 +195,7 @@ class Log:
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
         self.records.append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                                   value=repr(value), _log=self))
+                                   value=repr(value), rank=self.rank, _log=self))
 
     def _retire(self, batch: _Batch, *, exact: bool = True) -> torch.Tensor | None:
         """Compute a full batch's statistics on its device (no sync) and hand them to its records."""
@@ -269,6 +276,11 @@ class Log:
             raise PicklehooksError("Log.to_pandas() needs pandas: pip install 'picklehooks[log]'") from None
         return pandas.DataFrame(self.table())
 
+    def to_tensorboard(self, writer, step: int | None = None, *, histograms: bool = True) -> int:
+        """Write per-layer scalars and histograms to a ``SummaryWriter`` (``pip install 'picklehooks[tensorboard]'``)."""
+        from .tensorboard import write
+        return write(self, writer, step, histograms=histograms)
+
     # -- files ----------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write ``records.json`` (and ``tensors.safetensors`` if tensors were kept) into directory ``path``."""
@@ -306,13 +318,19 @@ class Log:
             from safetensors.torch import load_file
 
             tensors = load_file(tensor_file)
-        log = cls(step=document["step"])
-        for index, row in enumerate(document["records"]):
-            row = {k: _from_json_float(v) if k in STAT_NAMES else v for k, v in row.items()}
+        rows = [{k: _from_json_float(v) if k in STAT_NAMES else v for k, v in row.items()}
+                for row in document["records"]]
+        return cls.from_rows(rows, [tensors.get(str(i)) for i in range(len(rows))], step=document["step"])
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], tensors: list[torch.Tensor | None] | None = None, *, step: int = 0) -> Log:
+        """Rebuild a log from :meth:`table` rows (and the records' tensors, in the same order)."""
+        log = cls(step=step)
+        tensors = tensors or [None] * len(rows)
+        for row, tensor in zip(rows, tensors):
             shape = tuple(row["shape"]) if row["shape"] is not None else None
             rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
-                         dtype=row["dtype"], value=row["value"], rank=row.get("rank"),
-                         tensor=tensors.get(str(index)), _log=log)
+                         dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor, _log=log)
             if row.get("mean") is not None or row.get("nan") is not None:
                 rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
             log.records.append(rec)

@@ -1,0 +1,32 @@
+"""A DDP training worker for tests/test_distributed.py (spawned, so it must be importable)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import picklehooks
+import picklehooks.distributed
+
+
+def train(rank: int, world: int, init_file: str, model, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)  # each rank its own data
+        with picklehooks.record() as log:
+            for _ in range(3):
+                opt.zero_grad()
+                ddp(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+                opt.step()
+                log.next_step()
+        merged = picklehooks.distributed.gather(log)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(merged.table(), f)
+    finally:
+        dist.destroy_process_group()
