@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import torch
@@ -15,6 +16,9 @@ import picklehooks.distributed
 def train(rank: int, world: int, init_file: str, model, out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        # torch.multiprocessing hands CPU tensors over in shared memory: without a
+        # copy, both ranks' optimizers would step the very same parameters.
+        model = copy.deepcopy(model)
         ddp = DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)  # each rank its own data
