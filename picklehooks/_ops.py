@@ -41,7 +41,7 @@ _NAMESPACE = "picklehooks"
 def _deliver(x: torch.Tensor, module: str, kind: str, path: str, flags: int, *, from_autograd: bool = False) -> None:
     log = _state.active(from_autograd=from_autograd)
     if log is not None:
-        log._add_tensor(module, kind, path, x.detach(), flags)
+        log._add_tensor(module, kind, path, x, flags)  # the log copies (and detaches) it
 
 
 def _defined() -> bool:

@@ -84,6 +84,7 @@ class Record:
     dtype: str | None = None
     tensor: torch.Tensor | None = None
     value: str | None = None  # repr of a non-tensor value
+    live: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # record(keep_graph=True)
     rank: int | None = None
     _raw_stats: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     _stats: dict | None = dataclasses.field(default=None, repr=False)
@@ -128,8 +129,10 @@ def _current_rank() -> int | None:
 class Log:
     """What one ``record()`` captured: ``log.records``, plus tables and files."""
 
-    def __init__(self, *, step: int = 0) -> None:
+    def __init__(self, *, step: int = 0, keep_graph: bool = False) -> None:
         self.records: list[Record] = []
+        #: Keep each recorded tensor's live (autograd-connected) original, for :meth:`vjp`.
+        self.keep_graph = keep_graph
         self.step = step
         #: This process's torch.distributed rank, if a process group is up; every record carries it.
         self.rank = _current_rank()
@@ -164,10 +167,12 @@ class Log:
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
         # Always a copy: the caller's tensor may change in place later (inplace
         # ReLU, optimizer steps, gradient accumulation). One memory pass, no sync.
-        x = x.detach()
+        live, x = x, x.detach()
         rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
                      shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""), rank=self.rank, _log=self)
         self.records.append(rec)
+        if self.keep_graph:
+            rec.live = live
         wants_stats = bool(flags & STATS or not flags & TENSOR)
         if x.numel() == 0:
             rec.tensor = x.clone() if flags & TENSOR else None
@@ -268,6 +273,38 @@ class Log:
         """One dict per record: fields and statistics (no tensors)."""
         return [r.row() for r in self.records]
 
+    def _one(self, name) -> Record:
+        key = (name, "output", "", 0) if isinstance(name, str) else tuple(name)
+        found = [r for r in self.records if r.key == key]
+        if len(found) != 1:
+            raise PicklehooksError(
+                f"{name!r} names {len(found)} records; give a module name (its first output) or a "
+                f"(module, kind, path, call) key such as {self.records[0].key if self.records else ('fc', 'output', '', 0)}"
+            )
+        if found[0].live is None:
+            raise PicklehooksError(
+                f"record {key} kept no autograd graph; record with picklehooks.record(keep_graph=True) "
+                "(eager, FX or TorchScript models; compiled and exported graphs don't expose intermediates)"
+            )
+        return found[0]
+
+    def vjp(self, output_name, input_name, v: torch.Tensor | None = None) -> torch.Tensor:
+        """The vector-Jacobian product ``v^T d(output)/d(input)`` between two recorded intermediates.
+
+        Names are module names (their first output) or ``(module, kind, path, call)`` keys;
+        ``v`` defaults to ones. Needs ``record(keep_graph=True)``::
+
+            with picklehooks.record(keep_graph=True) as log:
+                model(x)
+            g = log.vjp("head", "encoder.0")
+        """
+        out, inp = self._one(output_name).live, self._one(input_name).live
+        v = torch.ones_like(out) if v is None else v
+        (grad,) = torch.autograd.grad(out, inp, grad_outputs=v, retain_graph=True, allow_unused=True)
+        if grad is None:
+            raise PicklehooksError(f"{output_name!r} does not depend on {input_name!r}: no path between them in the graph")
+        return grad
+
     def to_pandas(self):
         """:meth:`table` as a ``pandas.DataFrame`` (``pip install pandas``)."""
         try:
@@ -352,14 +389,14 @@ def _from_json_float(value):
 
 
 @contextlib.contextmanager
-def record(*, step: int = 0, log: Log | None = None) -> Iterator[Log]:
+def record(*, step: int = 0, keep_graph: bool = False, log: Log | None = None) -> Iterator[Log]:
     """Record what instrumented models compute in this thread/context::
 
         with picklehooks.record() as log:
             model(x).sum().backward()
         print(log.table()[0])
     """
-    log = Log(step=step) if log is None else log
+    log = Log(step=step, keep_graph=keep_graph) if log is None else log
     token = _state.push(log)
     try:
         yield log

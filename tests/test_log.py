@@ -732,3 +732,31 @@ class TestExampleForward:
         with pytest.raises(picklehooks.PicklehooksError, match="example forward failed"):
             picklehooks.instrument(model, example_inputs=(torch.randn(2, 7),))
         assert not model[0]._forward_hooks and "_picklehooks_name" not in model[0].__dict__
+
+
+class TestVjp:
+    def test_vjp_matches_autograd_jacobian(self):
+        """log.vjp between two recorded layers equals v^T J from torch.autograd.functional.jacobian."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        picklehooks.instrument(model, capture=("output",))
+        x = torch.randn(1, 3)
+        with picklehooks.record(keep_graph=True) as log:
+            model(x)
+        v = torch.tensor([[1.0, -2.0]])
+        got = log.vjp("2", "0", v)
+        h = model[0](x).detach()
+        jac = torch.autograd.functional.jacobian(lambda t: model[2](model[1](t)), h)  # (1,2,1,4)
+        want = torch.einsum("bo,boci->ci", v, jac)
+        torch.testing.assert_close(got, want)
+
+    def test_vjp_needs_keep_graph_and_known_names(self):
+        """Without keep_graph, or with a name that matches nothing, vjp says what to do."""
+        model = mlp()
+        picklehooks.instrument(model, capture=("output",))
+        with picklehooks.record() as log:
+            model(inputs())
+        with pytest.raises(picklehooks.PicklehooksError, match="keep_graph=True"):
+            log.vjp("2", "0")
+        with pytest.raises(picklehooks.PicklehooksError, match="names 0 records"):
+            log.vjp("nope", "0")
