@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ._shim import DecodeError, PicklehooksError
 from . import _ops  # registers the picklehooks:: ops that instrumented models call
+from ._ops import NonfiniteError
 from . import codec
 from .instrument import Instrumentation, instrument
 from .log import Log, Record, record
@@ -41,5 +42,6 @@ __all__ = [
     "codec",
     "PicklehooksError",
     "DecodeError",
+    "NonfiniteError",
 ]
 __version__ = "0.1.0"

@@ -163,7 +163,7 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     """Text of a forward pre-hook: tap inputs, record params/buffers."""
     generic = f"_rt.pre(module, inputs, {flags}, {state_flags}, {params!r}, {buffers!r})"
     if inputs is None:
-        return _untyped("picklehooks_pre", "module, inputs", generic)
+        return _untyped("picklehooks_pre", "module, inputs", generic, flags)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}"
     em = _Emitter("input", flags)
     body = ["    name = module._picklehooks_name"]
@@ -188,27 +188,27 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     if flags:
         values = [em.emit(s, values[i], str(i), "    ") for i, s in enumerate(inputs)]
     ret = "(" + "".join(v + ", " for v in values) + ")"
-    return _typed("picklehooks_pre", sig, annotation(("U", inputs)), generic, body + em.lines, ret)
+    return _typed("picklehooks_pre", sig, annotation(("U", inputs)), generic, body + em.lines, ret, flags)
 
 
 def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int) -> str:
     """Text of a forward hook: tap every tensor in the output."""
     generic = f"_rt.forward(module, output, {flags})"
     if inputs is None or output is None:
-        return _untyped("picklehooks_forward", "module, inputs, output", generic)
+        return _untyped("picklehooks_forward", "module, inputs, output", generic, flags)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}, output: {annotation(output)}"
     em = _Emitter("output", flags)
     result = em.emit(output, "output", "", "    ")
     return _typed("picklehooks_forward", sig, annotation(output), generic,
-                  ["    name = module._picklehooks_name"] + em.lines, result)
+                  ["    name = module._picklehooks_name"] + em.lines, result, flags)
 
 
-def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret: str) -> str:
+def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret: str, flags: int) -> str:
     return (
         _HEADER
         + f"def {fn}({sig}) -> {ret_type}:\n"
         + "    if not torch.jit.is_scripting():\n"
-        + "        if _rt.skip():\n"
+        + f"        if _rt.skip({flags}):\n"
         + "            return None\n"
         + f"        return {generic}\n"
         + "".join(line + "\n" for line in body)
@@ -216,11 +216,11 @@ def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret:
     )
 
 
-def _untyped(fn: str, sig: str, generic: str) -> str:
+def _untyped(fn: str, sig: str, generic: str, flags: int) -> str:
     return (
         "import picklehooks._hookrt as _rt\n"
         f"def {fn}({sig}):\n"
-        "    if _rt.skip():\n"
+        f"    if _rt.skip({flags}):\n"
         "        return None\n"
         f"    return {generic}\n"
     )

@@ -37,9 +37,9 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or _FX_SYMBOLIC()
 
 
-def skip() -> bool:
-    """True when an eager hook can return without doing anything."""
-    return not _tracing() and _state.idle()
+def skip(flags: int = 0) -> bool:
+    """True when an eager hook can return without doing anything (guards never skip)."""
+    return not flags & _ops.GUARD and not _tracing() and _state.idle()
 
 
 def _join(path: str, key) -> str:
@@ -59,8 +59,10 @@ class _GradRecorder:
         self.name, self.kind, self.path, self.flags = name, kind, path, flags
 
     def __call__(self, grad: torch.Tensor) -> None:
+        if self.flags & _ops.GUARD:
+            _ops.check_finite(grad, self.name, self.kind, self.path, from_autograd=True)
         log = _state.active(from_autograd=True)
-        if log is not None:
+        if log is not None and self.flags & _ops.GRAD:
             log._add_tensor(self.name, self.kind, self.path, grad, self.flags)
 
 
@@ -71,14 +73,16 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int) -> 
     gradient through a hook on a fresh view (a view, so that a tensor shared
     with other consumers only reports the gradient flowing through this use).
     """
+    if flags & _ops.GUARD:
+        _ops.check_finite(x, name, kind, path)
     log = _state.active()
-    if log is None:
+    if log is None and not flags & _ops.GUARD:
         return x
-    if flags & _ops.VALUE:
+    if log is not None and flags & _ops.VALUE:
         log._add_tensor(name, kind, path, x, flags)
-    elif flags & _ops.GRAD:
+    elif log is not None and flags & _ops.GRAD:
         log._note_call(name, kind, path)
-    if flags & _ops.GRAD and x.requires_grad:
+    if flags & (_ops.GRAD | _ops.GUARD) and x.requires_grad:
         x = x.view_as(x)
         x.register_hook(_GradRecorder(name, "grad_" + kind, path, flags))
     return x

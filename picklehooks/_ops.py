@@ -32,8 +32,26 @@ from typing import Optional
 import torch
 
 from . import _state
+from ._shim import PicklehooksError
 
 VALUE, GRAD, STATS, TENSOR = 1, 2, 4, 8
+#: Raise :class:`NonfiniteError` when a tapped value or its gradient is not finite.
+GUARD = 32
+
+
+class NonfiniteError(PicklehooksError, FloatingPointError):
+    """``instrument(..., on_nonfinite="raise")`` saw NaN or Inf: the message names the module and step."""
+
+
+def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_autograd: bool = False) -> None:
+    """Raise :class:`NonfiniteError` if ``x`` holds NaN or Inf (a host sync: guards pay one per tensor)."""
+    if not bool(torch.isfinite(x).all()):
+        log = _state.active(from_autograd=from_autograd)
+        where = f"at step {log.step}" if log is not None else "outside picklehooks.record(), so no step is known"
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        at = f" (path {path!r})" if path else ""
+        raise NonfiniteError(f"non-finite {kind} in module {module!r}{at} {where}: {nan} NaN, {inf} Inf "
+                             f"among {x.numel()} values")
 
 _NAMESPACE = "picklehooks"
 
@@ -57,6 +75,8 @@ def _define_ops() -> None:
 
     @torch.library.custom_op(f"{_NAMESPACE}::tap", mutates_args=())
     def tap(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+        if flags & GUARD:
+            check_finite(x, module, kind, path)
         if flags & VALUE:
             _deliver(x, module, kind, path, flags)
         elif flags & GRAD:
@@ -71,7 +91,10 @@ def _define_ops() -> None:
 
     @torch.library.custom_op(f"{_NAMESPACE}::tap_grad", mutates_args=())
     def tap_grad(g: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
-        _deliver(g, module, kind, path, flags, from_autograd=True)
+        if flags & GUARD:
+            check_finite(g, module, kind, path, from_autograd=True)
+        if flags & GRAD:
+            _deliver(g, module, kind, path, flags, from_autograd=True)
         return g.clone()
 
     @tap_grad.register_fake
@@ -82,7 +105,7 @@ def _define_ops() -> None:
         ctx.module, ctx.kind, ctx.path, ctx.flags = inputs[1:5]
 
     def _tap_backward(ctx, grad):
-        if ctx.flags & GRAD and grad is not None:
+        if ctx.flags & (GRAD | GUARD) and grad is not None:
             grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path, ctx.flags)
         return grad, None, None, None, None
 

@@ -17,6 +17,8 @@ Limits:
   only chosen when a pattern names it (``modules=[""]``).
 * ``input`` means positional arguments: a pre-hook can't see keyword ones.
 * ``param_grad`` is recorded in eager mode (see :mod:`picklehooks._hookrt`).
+* ``profile=True`` hooks keep their ranges in a module attribute, which
+  TorchScript can't compile: profile eager (or FX, compiled) models.
 """
 
 from __future__ import annotations
@@ -181,6 +183,24 @@ def _shapes(module: nn.Module, observed: tuple | None) -> tuple[list | None, Any
     return in_shapes, out_shape
 
 
+# Profiler ranges named "module:<qualified name>" ("2.0" alone would be mangled
+# by the profiler into ".0"): entered before forward, left after it (always_call,
+# so an exception inside forward still closes the range).
+_PROFILE_ENTER = """\
+import torch
+def picklehooks_profile_enter(module, inputs):
+    handle = torch.ops.profiler._record_function_enter_new("module:" + module._picklehooks_name, None)
+    module.__dict__.setdefault("_picklehooks_ranges", []).append(handle)
+"""
+_PROFILE_EXIT = """\
+import torch
+def picklehooks_profile_exit(module, inputs, output):
+    ranges = module.__dict__.get("_picklehooks_ranges")
+    if ranges:
+        torch.ops.profiler._record_function_exit._RecordFunction(ranges.pop())
+"""
+
+
 def _hook(text: str):
     return getattr(hub(), codec.encode(text))
 
@@ -195,6 +215,8 @@ def instrument(
     example_inputs: Sequence | None = None,
     example_kwargs: dict | None = None,
     scriptable: bool = False,
+    on_nonfinite: str | None = None,
+    profile: bool = False,
 ) -> Instrumentation:
     """Add logging hooks to ``model``'s submodules; return a handle whose ``remove()`` undoes it.
 
@@ -203,11 +225,19 @@ def instrument(
         handle = picklehooks.instrument(model, capture="all", example_inputs=(x,))
         with picklehooks.record() as log:
             model(x).sum().backward()
+
+    ``on_nonfinite="raise"`` makes every chosen module's output, and its
+    gradient, a guard that raises :class:`~picklehooks.NonfiniteError` naming
+    the module and the step (one host sync per tensor, recording or not).
+    ``profile=True`` wraps each module call in a ``torch.profiler`` range named
+    ``module:<qualified name>`` (eager mode; see :mod:`picklehooks.diagnostics.profile`).
     """
     if not isinstance(model, nn.Module):
         raise PicklehooksError(f"instrument() takes an nn.Module, got {type(model).__name__}")
     if mode not in MODES:
         raise PicklehooksError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+    if on_nonfinite not in (None, "raise"):
+        raise PicklehooksError(f"on_nonfinite={on_nonfinite!r}: use None or 'raise'")
     kinds = _check_capture(capture)
     chosen = _select(model, modules, depth)
     clash = [n for n, m in chosen.items() if _NAME_ATTR in m.__dict__]
@@ -226,6 +256,8 @@ def instrument(
     value_flags = lambda value, grad: ((_ops.VALUE | store) if value in kinds else 0) | (  # noqa: E731
         (_ops.GRAD | store) if grad in kinds else 0)
     in_flags, out_flags = value_flags("input", "grad_input"), value_flags("output", "grad_output")
+    if on_nonfinite == "raise":
+        out_flags |= _ops.GUARD
     state_flags = (_ops.VALUE | store if {"param", "buffer"} & kinds else 0) | (
         _hookrt.PARAM_GRAD | store if "param_grad" in kinds else 0)
 
@@ -251,6 +283,9 @@ def instrument(
             if out_flags:
                 text = _generate.forward_hook_text(in_shapes, out_shape, out_flags)
                 handle._handles.append(module.register_forward_hook(_hook(text)))
+            if profile:
+                handle._handles.append(module.register_forward_pre_hook(_hook(_PROFILE_ENTER)))
+                handle._handles.append(module.register_forward_hook(_hook(_PROFILE_EXIT), always_call=True))
     except BaseException:
         handle.remove()
         raise

@@ -1,0 +1,1 @@
+"""Debugging workflows built on the logs."""
