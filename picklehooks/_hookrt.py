@@ -25,6 +25,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops, _state
+from ._shim import PicklehooksError
 
 _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
 
@@ -111,9 +112,20 @@ def tap_tree(value, name: str, kind: str, path: str, flags: int):
     return value
 
 
+def _name_of(module) -> str:
+    try:
+        return module._picklehooks_name
+    except AttributeError:
+        # e.g. quantize_dynamic swapped the module: torch copies hooks, not attributes.
+        raise PicklehooksError(
+            f"a {type(module).__name__} carries picklehooks' hooks but not its name: it was replaced "
+            "after instrument() (by a quantization or module swap); instrument the transformed model instead"
+        ) from None
+
+
 def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buffers: tuple):
     """Pre-hook body: tap positional inputs; thread params/buffers through the first tensor input."""
-    name = module._picklehooks_name
+    name = _name_of(module)
     out = list(inputs)
     first = next((i for i, v in enumerate(out) if isinstance(v, _TENSORLIKE)), None)
     if first is not None:
@@ -137,7 +149,7 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
 
 def forward(module, output, flags: int):
     """Forward-hook body: tap every tensor in the output."""
-    return tap_tree(output, module._picklehooks_name, "output", "", flags)
+    return tap_tree(output, _name_of(module), "output", "", flags)
 
 
 # Parameters whose gradients we already watch; weak so models can be freed.

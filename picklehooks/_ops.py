@@ -40,7 +40,17 @@ GUARD = 32
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):
-    """``instrument(..., on_nonfinite="raise")`` saw NaN or Inf: the message names the module and step."""
+    """``instrument(..., on_nonfinite="raise")`` saw NaN or Inf: the message names the module and step.
+
+    Also as attributes: ``module``, ``kind``, ``path``, ``step`` (``None`` outside ``record()``).
+    """
+
+    def __init__(self, message: str, module: str = "", kind: str = "", path: str = "", step: int | None = None):
+        super().__init__(message)
+        self.module, self.kind, self.path, self.step = module, kind, path, step
+
+    def __reduce__(self):
+        return type(self), (str(self), self.module, self.kind, self.path, self.step)
 
 
 def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_autograd: bool = False) -> None:
@@ -51,7 +61,7 @@ def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_aut
         nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
         at = f" (path {path!r})" if path else ""
         raise NonfiniteError(f"non-finite {kind} in module {module!r}{at} {where}: {nan} NaN, {inf} Inf "
-                             f"among {x.numel()} values")
+                             f"among {x.numel()} values", module, kind, path, None if log is None else log.step)
 
 _NAMESPACE = "picklehooks"
 

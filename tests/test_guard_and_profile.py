@@ -103,3 +103,28 @@ class TestProfile:
         with torch.profiler.profile() as prof:
             loaded(torch.ones(1, 2))
         assert [r["module"] for r in module_times(prof, loaded)] == ["0"]
+
+
+class TestErrors:
+    def test_nonfinite_error_carries_where(self):
+        """NonfiniteError has module, kind, path and step attributes, and pickles with them."""
+        import pickle
+
+        model = model_with_nan_at(4)
+        picklehooks.instrument(model, on_nonfinite="raise")
+        with picklehooks.record(step=3), pytest.raises(picklehooks.NonfiniteError) as info:
+            model(torch.randn(2, 3))
+        err = pickle.loads(pickle.dumps(info.value))
+        assert (err.module, err.kind, err.path, err.step) == ("4", "output", "", 3)
+
+    def test_module_swapped_after_instrument(self):
+        """quantize_dynamic after instrument() gets a clear error, not an AttributeError."""
+        import warnings
+
+        model = nn.Sequential(nn.Linear(4, 4))
+        picklehooks.instrument(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        with picklehooks.record(), pytest.raises(picklehooks.PicklehooksError, match="instrument the transformed model"):
+            quantized(torch.randn(2, 4))
