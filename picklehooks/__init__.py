@@ -15,6 +15,8 @@ The layers, bottom up (no module imports one above it):
 * :mod:`picklehooks.instrument`: ``instrument(model)``;
 * :mod:`picklehooks.package`: torch.package helpers;
 * :mod:`picklehooks.weights_only`: ``safe_globals()`` for ``torch.load(weights_only=True)``;
+* :mod:`picklehooks.diagnostics`: debugging workflows on the logs (NaN/Inf, dead units,
+  gradient flow and conflict, comparisons, profiles, surgery, Jacobians, plots, reports);
 * :mod:`picklehooks.audit`: lists the hooks in a file without loading it;
 * :mod:`picklehooks.__main__`: the command line (``demo``, ``inspect``).
 """
@@ -29,6 +31,7 @@ from .instrument import Instrumentation, instrument
 from .log import Log, Record, record
 from .portable import is_portable, portable
 from .weights_only import safe_globals
+from .diagnostics import compare, find_nonfinite
 
 __all__ = [
     "portable",
@@ -39,6 +42,8 @@ __all__ = [
     "Log",
     "Record",
     "safe_globals",
+    "find_nonfinite",
+    "compare",
     "codec",
     "PicklehooksError",
     "DecodeError",

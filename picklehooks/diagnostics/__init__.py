@@ -1,1 +1,43 @@
-"""Debugging workflows built on the logs."""
+"""Diagnostics built on picklehooks logs: one module per question about a model.
+
+* :mod:`~picklehooks.diagnostics.nonfinite`: where does NaN/Inf first appear?
+* :mod:`~picklehooks.diagnostics.units`: which units are dead or saturated?
+* :mod:`~picklehooks.diagnostics.gradflow`: where do gradients vanish or explode?
+* :mod:`~picklehooks.diagnostics.conflict`: do the tasks of a multi-task model pull against each other?
+* :mod:`~picklehooks.diagnostics.compare`: where does a transformed model first differ from the original?
+
+Imported on their own (not from here): :mod:`~picklehooks.diagnostics.profile`
+(per-module time of a profiled run) and :mod:`~picklehooks.diagnostics.plots`
+(figures of a log; needs matplotlib).
+
+Each takes a model in any form: a plain ``nn.Module`` is instrumented for the
+call and cleaned up afterwards; an already instrumented model (eager, loaded,
+scripted, FX-traced, compiled, exported) is used with its own hooks. Results
+are dataclasses and lists of dict rows, ready for a table.
+
+>>> from picklehooks.diagnostics import find_nonfinite
+>>> find_nonfinite(model, x)   # None, or where NaN/Inf first appeared
+"""
+
+from __future__ import annotations
+
+from .compare import Comparison, compare, record_forward
+from .conflict import ConflictReport, gradient_conflict
+from .gradflow import GradientFlow, flow_from_log, gradient_flow
+from .nonfinite import NonfiniteReport, find_nonfinite, first_nonfinite
+from .units import dead_units
+
+__all__ = [
+    "find_nonfinite",
+    "first_nonfinite",
+    "NonfiniteReport",
+    "dead_units",
+    "gradient_flow",
+    "flow_from_log",
+    "GradientFlow",
+    "gradient_conflict",
+    "ConflictReport",
+    "compare",
+    "record_forward",
+    "Comparison",
+]
