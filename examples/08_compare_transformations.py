@@ -6,7 +6,8 @@ Shows:
    model in any form; ``compare(log_a, log_b)`` matches the records by
    (module, kind, path, call) and gives per layer the max abs error, relative
    error, SQNR (dB) and cosine similarity, and the first diverging layer.
-2. Faithful transformations: ``torch.jit.script`` and ``torch.fx.symbolic_trace``
+2. Faithful transformations: ``torch.jit.script``, ``torch.fx.symbolic_trace`` and
+   ``torch.compile(fullgraph=True)``
    of the instrumented model agree with eager (errors ~0).
 3. ``quantize_dynamic`` (int8 Linear weights): small errors everywhere, SQNR
    ~30-40 dB. It swaps the Linear modules, so the quantized copy is
@@ -51,6 +52,7 @@ def main() -> None:
     reference = record_forward(model, x)
 
     candidates = {"torch.jit.script": torch.jit.script(model), "torch.fx": torch.fx.symbolic_trace(model),
+                  "torch.compile": torch.compile(model, fullgraph=True),
                   "quantize_dynamic": quantized, "prune layer 3": prune_smallest(model, 3, 0.3)}
     results = {name: compare(reference, record_forward(other, x)) for name, other in candidates.items()}
     print(f"{'transformation':<18}{'first divergence':>18}{'max rel err':>13}{'min SQNR dB':>13}")

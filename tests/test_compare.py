@@ -50,13 +50,16 @@ def test_plain_models_are_instrumented_for_the_call():
     assert not any(m._forward_hooks for m in model.modules())
 
 
-def test_eager_script_fx_agree():
+def test_eager_script_fx_compile_agree():
+    """Scripted, FX-traced and compiled versions of the instrumented model match eager layer by layer."""
     model = instrumented()
     eager = record_forward(model, X)
-    for other in (torch.jit.script(model), torch.fx.symbolic_trace(model)):
+    compiled = torch.compile(model, fullgraph=True)
+    for other in (torch.jit.script(model), torch.fx.symbolic_trace(model), compiled):
         result = compare(eager, record_forward(other, X))
         assert len(result.rows) == 5 and result.first_divergence is None
-        assert all(row["max_abs"] <= 1e-6 and row["rel_err"] <= 1e-6 for row in result.rows)
+        # Inductor may fuse and reorder float operations, so allow rounding-level differences.
+        assert all(row["max_abs"] <= 1e-5 and row["rel_err"] <= 1e-5 for row in result.rows)
 
 
 def test_dynamic_quantization():
