@@ -58,6 +58,7 @@ class Instrumentation:
         self._handles.clear()
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
+            module.__dict__.pop("_picklehooks_ranges", None)  # profile=True bookkeeping
             _hookrt.detach_param_grad_hooks(module)
         self.modules.clear()
 

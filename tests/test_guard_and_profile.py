@@ -93,6 +93,15 @@ class TestProfile:
         by_name = {r["module"]: r for r in rows}
         assert by_name["2"]["total_ms"] >= by_name["2.0"]["total_ms"]  # a parent includes its children
 
+    def test_remove_leaves_nothing(self):
+        """remove() takes the profiling hooks and their bookkeeping away."""
+        model = nn.Sequential(nn.Linear(2, 2))
+        handle = picklehooks.instrument(model, profile=True)
+        model(torch.ones(1, 2))
+        handle.remove()
+        assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+        assert not [k for k in vars(model[0]) if k.startswith("_picklehooks")]
+
     def test_profiled_model_still_pickles(self, tmp_path):
         """The profiling hooks are portable like every other."""
         model = nn.Sequential(nn.Linear(2, 2))
