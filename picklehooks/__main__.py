@@ -1,4 +1,4 @@
-"""Command line: ``python -m picklehooks {demo,inspect} ...``."""
+"""Command line: ``python -m picklehooks {demo,inspect,report} ...``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,20 @@ def main(argv: list[str] | None = None) -> int:
         "inspect", help="list the hooks in a checkpoint or pickle without loading or executing it"
     )
     inspect_cmd.add_argument("file", help="a torch.save checkpoint, torch.package archive or pickle")
+    report_cmd = sub.add_parser(
+        "report", help="write a Markdown report (per-layer tables, non-finite values, figures) of a saved log"
+    )
+    report_cmd.add_argument("log", help="a directory written by picklehooks.Log.save()")
+    report_cmd.add_argument("--out", required=True, metavar="DIR", help="where to write report.md and the figures")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
 
         return run()
+    if args.command == "report":
+        from .diagnostics.report import main as report_main
+
+        return report_main(args.log, args.out)
     from .audit import main as audit_main
 
     return audit_main(args.file)
