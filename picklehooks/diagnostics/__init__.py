@@ -7,8 +7,11 @@
 * :mod:`~picklehooks.diagnostics.compare`: where does a transformed model first differ from the original?
 
 Imported on their own (not from here): :mod:`~picklehooks.diagnostics.profile`
-(per-module time of a profiled run) and :mod:`~picklehooks.diagnostics.plots`
-(figures of a log; needs matplotlib).
+(per-module time of a profiled run), :mod:`~picklehooks.diagnostics.surgery`
+(portable gradient-surgery hooks), :mod:`~picklehooks.diagnostics.jacobian`
+(VJP and Hutchinson Frobenius-norm estimate between layers),
+:mod:`~picklehooks.diagnostics.plots` (figures of a log; needs matplotlib) and
+:mod:`~picklehooks.diagnostics.report` (``python -m picklehooks report``).
 
 Each takes a model in any form: a plain ``nn.Module`` is instrumented for the
 call and cleaned up afterwards; an already instrumented model (eager, loaded,
