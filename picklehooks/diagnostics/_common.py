@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from typing import Iterable, Iterator
 
 import torch
@@ -140,3 +141,14 @@ def backward(loss, model, inputs: tuple = ()) -> None:
     targets = [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
     targets += [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     torch.autograd.grad(loss, targets, allow_unused=True)
+
+
+def progress(batches: Iterable, desc: str) -> Iterable:
+    """``batches`` with a tqdm progress bar when stderr is a terminal (tqdm is optional)."""
+    if not sys.stderr.isatty():
+        return batches
+    try:
+        from tqdm import tqdm  # only worth importing for a terminal
+    except ImportError:
+        return batches
+    return tqdm(batches, desc=desc, unit="batch")

@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 
 from .._shim import PicklehooksError
 from ..log import Log, record
-from ._common import backward, call, hooked, need, stats_of
+from ._common import backward, call, hooked, need, progress, stats_of
 
 __all__ = ["GradientFlow", "gradient_flow", "flow_from_log"]
 
@@ -127,7 +127,7 @@ def gradient_flow(model, batches: Iterable[tuple], loss_fn: Callable, *, optimiz
     order: dict[str, None] = {}
     steps, losses = [], []
     with hooked(model, capture=("grad_output",), mode="stats"):
-        for i, batch in enumerate(batches):
+        for i, batch in enumerate(progress(batches, "gradient_flow")):
             if not isinstance(batch, (tuple, list)):
                 raise PicklehooksError(f"batch {i} is a {type(batch).__name__}; each batch must be a tuple")
             split = len(batch) if n_inputs is None else n_inputs

@@ -27,14 +27,13 @@ times per forward pools its calls.
 from __future__ import annotations
 
 import fnmatch
-import sys
 from typing import Iterable
 
 import torch
 
 from .._shim import PicklehooksError
 from ..log import record
-from ._common import call, hooked, module_types, need
+from ._common import call, hooked, module_types, need, progress
 
 __all__ = ["dead_units", "NEVER_ACTIVE", "SATURATING"]
 
@@ -58,16 +57,6 @@ def _alive(kind: str, y: torch.Tensor, unit_dim: int) -> torch.Tensor:
     else:
         working = y.abs() <= 0.99
     return working.movedim(unit_dim, 0).reshape(y.shape[unit_dim], -1).any(1)
-
-
-def _progress(batches: Iterable):
-    if not sys.stderr.isatty():
-        return batches
-    try:
-        from tqdm import tqdm  # optional, and only worth importing for a terminal
-    except ImportError:
-        return batches
-    return tqdm(batches, desc="dead_units", unit="batch")
 
 
 def _selected(name: str, class_names: tuple[str, ...], modules) -> bool:
@@ -96,7 +85,7 @@ def dead_units(model, batches: Iterable[tuple], *, modules=None, unit_dim: int |
     activations = [getattr(torch.nn, n) for n in NEVER_ACTIVE + SATURATING]
     with hooked(model, capture=("output",), mode="tensor", modules=activations if modules is None else modules):
         types = module_types(model)  # read inside: a temporary instrumentation names the modules too
-        for batch in _progress(batches):
+        for batch in progress(batches, "dead_units"):
             with torch.no_grad(), record() as log:
                 call(model, batch)
             need(log, ("output",), "dead_units", tensors=True)
