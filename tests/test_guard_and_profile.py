@@ -8,23 +8,7 @@ from torch import nn
 
 import picklehooks
 from picklehooks.diagnostics.profile import module_times
-
-
-class NanGrad(torch.autograd.Function):
-    """Identity forward, NaN gradient: a fault that only backward shows."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * float("nan")
-
-
-class BadBackward(nn.Module):
-    def forward(self, x):
-        return NanGrad.apply(x)
+from tests.fault_models import NaNGrad
 
 
 def model_with_nan_at(layer: int) -> nn.Sequential:
@@ -59,7 +43,7 @@ class TestGuard:
     def test_backward_nan(self):
         """A NaN that appears only in backward is caught at the module whose output gradient it is."""
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 4), BadBackward(), nn.Linear(4, 1))
+        model = nn.Sequential(nn.Linear(3, 4), NaNGrad(), nn.Linear(4, 1))
         picklehooks.instrument(model, on_nonfinite="raise")
         out = model(torch.randn(2, 3))  # forward is clean
         with pytest.raises(picklehooks.NonfiniteError, match="non-finite grad_output in module '0'"):
