@@ -205,6 +205,9 @@ class TestInstrumented:
             eager = model(*x)[0]
             scripted = torch.jit.script(model)(*x)[0]
             assert torch.equal(eager, scripted)
+            # A second importer reuses the ops the first registered (op names are process-wide).
+            again = PackageImporter(sys.argv[1]).load_pickle("model", "model.pkl")
+            assert torch.equal(again(*x)[0], eager)
             print(hooks, eager.tolist())
             """,
             str(path),
