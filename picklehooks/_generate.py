@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+# The typed body must name paths exactly as the run-time body does.
+from ._hookrt import _join
+
 # A shape is a small tree: ("T",) tensor, ("N",) None, ("X", "int") other
 # scalar, ("O", inner) optional, ("U", [items]) tuple, ("L", inner) list,
 # ("D", inner) dict with str keys. None means "can't describe".
@@ -146,10 +149,6 @@ class _Emitter:
                 self.lines.append(f"{indent}    {v}[{item}] = {self.tap_expr(f'{expr}[{item}]', f'{prefix} + {item}')}")
             return v
         return expr  # scalars, None and what we can't unpack pass through
-
-
-def _join(path: str, key) -> str:
-    return f"{path}/{key}" if path else str(key)
 
 
 _HEADER = (

@@ -202,21 +202,21 @@ class Log:
         self.records.append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
                                    value=repr(value), rank=self.rank, _log=self))
 
-    def _retire(self, batch: _Batch, *, exact: bool = True) -> torch.Tensor | None:
-        """Compute a full batch's statistics on its device (no sync) and hand them to its records."""
-        if not batch.wanting_stats:
-            return None
-        table = matrix_stats(batch.data[: batch.used], counts=exact)
-        for rec, row in batch.wanting_stats:
-            rec._raw_stats = table[row]
-            self._unmaterialised.append(rec)
-        return table
+    def _retire(self, batch: _Batch, *, exact: bool) -> None:
+        """Compute a batch's statistics on its device (no sync) and hand them to its records."""
+        if batch.wanting_stats:
+            table = matrix_stats(batch.data[: batch.used], counts=exact)
+            for rec, row in batch.wanting_stats:
+                rec._raw_stats = table[row]
+                self._unmaterialised.append(rec)
 
-    def _reduce_pending(self) -> None:
-        """Reduce every kept copy to statistics, to bound memory (no sync)."""
-        for batch in [*self._full, *self._batches.values()]:
-            self._retire(batch)
+    def _reduce_pending(self, *, exact: bool = True) -> list[_Batch]:
+        """Reduce every kept copy to statistics (no sync); return the batches, now released."""
+        batches = [*self._full, *self._batches.values()]
+        for batch in batches:
+            self._retire(batch, exact=exact)
         self._full, self._batches, self._pending_bytes = [], {}, 0
+        return batches
 
     def _materialise(self) -> None:
         """Copy every statistic not yet read to the host, one transfer per device.
@@ -224,11 +224,8 @@ class Log:
         Reading syncs anyway, so the fast path leaves NaN/Inf counts unknown
         and they are counted here only for the tensors whose sums weren't finite.
         """
-        kept = {}
-        for batch in [*self._full, *self._batches.values()]:
-            self._retire(batch, exact=False)
-            kept.update({id(rec): batch.data[row] for rec, row in batch.wanting_stats})
-        self._full, self._batches, self._pending_bytes = [], {}, 0
+        kept = {id(rec): batch.data[row] for batch in self._reduce_pending(exact=False)
+                for rec, row in batch.wanting_stats}
         unread, self._unmaterialised = self._unmaterialised, []
         by_device: dict[torch.device, list[Record]] = {}
         for rec in unread:

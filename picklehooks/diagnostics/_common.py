@@ -20,10 +20,9 @@ from torch import nn
 
 from .._shim import PicklehooksError
 from .._stats import STAT_NAMES, matrix_stats
-from ..instrument import instrument
+from ..instrument import _NAME_ATTR, instrument
 from ..log import Log, Record
 
-_NAME_ATTR = "_picklehooks_name"
 
 
 def is_instrumented(model) -> bool:

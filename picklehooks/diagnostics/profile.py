@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..instrument import _NAME_ATTR
+
 __all__ = ["module_times", "RANGE_PREFIX"]
 
 #: What ``instrument(profile=True)`` puts before a module's name in a range's name.
@@ -33,7 +35,7 @@ def module_times(prof, model: nn.Module | None = None) -> list[dict]:
     """
     names = None
     if model is not None:
-        names = {getattr(m, "_picklehooks_name") for m in model.modules() if hasattr(m, "_picklehooks_name")}
+        names = {getattr(m, _NAME_ATTR) for m in model.modules() if hasattr(m, _NAME_ATTR)}
     rows = []
     for event in prof.key_averages():
         if not event.key.startswith(RANGE_PREFIX):
