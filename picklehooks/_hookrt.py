@@ -40,6 +40,7 @@ def _tracing() -> bool:
 
 def skip(flags: int = 0) -> bool:
     """True when an eager hook can return without doing anything (guards never skip)."""
+    # _tracing() first: torch.compile can't trace the context variable behind idle().
     return not flags & _ops.GUARD and not _tracing() and _state.idle()
 
 
@@ -149,6 +150,8 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
 
 def forward(module, output, flags: int):
     """Forward-hook body: tap every tensor in the output."""
+    if type(output) is torch.Tensor and not _tracing():  # the common case, one call shorter
+        return _eager_tap(output, _name_of(module), "output", "", flags)
     return tap_tree(output, _name_of(module), "output", "", flags)
 
 

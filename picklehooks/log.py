@@ -2,9 +2,11 @@
 
 ``with picklehooks.record() as log:`` turns recording on for the current
 thread (or asyncio task); instrumented models then add :class:`Record`\\ s to
-``log``. Statistics are computed on the tensor's device when recorded, as one
-small tensor per record, and copied to the host all at once the first time
-any record's ``stats`` is read: no host synchronisation per hook.
+``log``. Each recorded tensor is copied on its device; copies of one shape
+and dtype are reduced together (:mod:`picklehooks._stats`) the first time
+any record's ``stats`` is read, or when the copies pass
+:data:`PENDING_BYTES`, and all statistics reach the host in one transfer
+per device: no host synchronisation per hook.
 
 ``log.save(dir)`` writes an open format: ``records.json`` (every field and
 statistic, strict JSON: non-finite statistics are the strings ``"NaN"``,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -32,7 +35,7 @@ import torch
 
 from . import _state
 from ._ops import STATS, TENSOR
-from ._stats import STAT_NAMES, empty_row, exact_counts, matrix_stats
+from ._stats import EMPTY, PAD, STAT_NAMES, finish, matrix_stats
 from ._shim import PicklehooksError
 
 __all__ = ["Record", "Log", "record", "STAT_NAMES"]
@@ -42,25 +45,115 @@ _COUNTS = ("nan", "inf")
 PENDING_BYTES = 64 << 20
 
 
-class _Batch:
-    """Copies of recorded tensors with one (device, dtype, size): the rows of one matrix.
+class _Group:
+    """Copies of recorded tensors of one (device, dtype, shape), in the rows of one preallocated matrix.
 
-    Copying into a preallocated row costs no allocation, and the statistics
-    of all rows come from a handful of row-wise reductions.
+    Copying into a row allocates nothing, and the statistics of all rows come
+    from a handful of row-wise reductions. Rows are padded with zeros to a
+    multiple of :data:`~picklehooks._stats.PAD` elements, which makes zeros
+    quick to count.
     """
 
-    __slots__ = ("data", "used", "wanting_stats")
+    __slots__ = ("data", "views", "used", "table", "rows")
 
-    def __init__(self, like: torch.Tensor, rows: int) -> None:
-        self.data = torch.empty((rows, like.numel()), dtype=like.dtype, device=like.device)
+    def __init__(self, like: torch.Tensor, capacity: int) -> None:
+        n = like.numel()
+        self.data = torch.empty((capacity, n + -n % PAD), dtype=like.dtype, device=like.device)
+        self.data[:, n:].zero_()
+        # Every row as a tensor of the recorded shape, made in one call.
+        self.views = self.data[:, :n].view(capacity, *like.shape).unbind(0)
         self.used = 0
-        self.wanting_stats: list[tuple[Record, int]] = []
+        self.table: torch.Tensor | None = None  # on the device, once reduced
+        self.rows: list[list[float]] | None = None  # on the host, once read
 
-    def add(self, x: torch.Tensor) -> int:
-        row = self.used
-        self.data[row].copy_(x.reshape(-1))
-        self.used += 1
-        return row
+    def reduce(self, *, exact: bool) -> torch.Tensor:
+        """Compute the table (no sync), release the copies; return the matrix reduced."""
+        n = self.views[0].numel()
+        x = self.data[: self.used, :n]
+        self.table = matrix_stats(x, exact=exact, padded=self.data[: self.used])
+        self.data = self.views = None
+        return x
+
+
+class _Pending:
+    """A log's statistics not yet computed or not yet read.
+
+    Records point here and this points at no record, so a log, its records
+    and its copies are freed by reference counting the moment they are
+    dropped; a reference cycle would keep every copy until the garbage
+    collector ran.
+    """
+
+    __slots__ = ("filling", "unreduced", "reduced", "seen", "bytes")
+
+    def __init__(self) -> None:
+        self.filling: dict[tuple, _Group] = {}  # the group taking new rows, per (device, dtype, shape)
+        self.unreduced: list[_Group] = []  # every group holding copies
+        self.reduced: list[_Group] = []  # with a table, not yet read
+        self.seen: dict[tuple, int] = {}  # rows recorded per key
+        self.bytes = 0
+
+    def add(self, x: torch.Tensor) -> tuple[_Group, torch.Tensor]:
+        """Copy ``x`` into a row; return its group and the row (as a tensor shaped like ``x``)."""
+        key = (x.device, x.dtype, x.shape)
+        group = self.filling.get(key)
+        seen = self.seen[key] = self.seen.get(key, 0) + 1
+        if group is None or group.used == len(group.views):
+            size = x.numel() * x.element_size()
+            # A model records the same shapes every step: size the group for what the
+            # last log recorded, and grow fourfold while that isn't enough.
+            capacity = max(_CAPACITY.get(key, 16), 4 * (len(group.views) if group else 0))
+            group = self.filling[key] = _Group(x, max(1, min(capacity, PENDING_BYTES // size)))
+            self.unreduced.append(group)
+        row = group.views[group.used]
+        row.copy_(x)
+        group.used += 1
+        if seen > _CAPACITY.get(key, 0):
+            _CAPACITY[key] = seen
+        self.bytes += x.numel() * x.element_size()
+        if self.bytes > PENDING_BYTES:
+            self.reduce(exact=True)
+        return group, row
+
+    def reduce(self, *, exact: bool) -> dict[int, torch.Tensor]:
+        """Turn every group's copies into a table on its device (no sync); return the matrices by group id."""
+        done = {id(group): group.reduce(exact=exact) for group in self.unreduced}
+        self.reduced += self.unreduced
+        self.filling, self.unreduced, self.bytes = {}, [], 0
+        return done
+
+    def read(self) -> None:
+        """Bring every table to the host, one transfer per device; complete the fast rows."""
+        matrices = self.reduce(exact=False)
+        by_device: dict[torch.device, list[_Group]] = {}
+        for group in self.reduced:
+            by_device.setdefault(group.table.device, []).append(group)
+        self.reduced = []
+        for groups in by_device.values():
+            rows = torch.cat([group.table for group in groups]).cpu().tolist()
+            for group in groups:
+                group.rows, rows = rows[: len(group.table)], rows[len(group.table):]
+                if id(group) in matrices:  # reduced just now, on the fast path
+                    finish(matrices[id(group)], group.rows)
+                group.table = None
+
+
+# Rows recorded per (device, dtype, shape) by the last log, to size the next log's groups.
+_CAPACITY: dict[tuple, int] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _stats_dict(shape: tuple, dtype: str, values) -> dict:
+    stats = dict(zip(STAT_NAMES, values))
+    for name in _COUNTS:
+        stats[name] = int(stats[name])
+    return {"shape": shape, "dtype": dtype, **stats}
+
+
 _FORWARD_OF = {"grad_output": "output", "grad_input": "input", "param_grad": "param"}
 
 
@@ -86,15 +179,20 @@ class Record:
     value: str | None = None  # repr of a non-tensor value
     live: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # record(keep_graph=True)
     rank: int | None = None
-    _raw_stats: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     _stats: dict | None = dataclasses.field(default=None, repr=False)
-    _log: Any = dataclasses.field(default=None, repr=False)
+    _src: tuple | None = dataclasses.field(default=None, repr=False)  # (pending, group, row) until read
 
     @property
     def stats(self) -> dict | None:
-        """``shape, dtype`` and :data:`STAT_NAMES`; ``None`` for non-tensor values or ``mode="tensor"``."""
-        if self._stats is None and self._log is not None and self.shape is not None:
-            self._log._materialise()
+        """``shape, dtype`` and :data:`STAT_NAMES`; ``None`` for non-tensor values or ``mode="tensor"``.
+
+        The first read brings every pending statistic of the log to the host at once.
+        """
+        if self._stats is None and self._src is not None:
+            pending, group, row = self._src
+            if group.rows is None:
+                pending.read()
+            self._stats, self._src = _stats_dict(self.shape, self.dtype, group.rows[row]), None
         return self._stats
 
     @property
@@ -140,11 +238,7 @@ class Log:
         # Forward calls whose gradient hasn't arrived yet, per (module, kind, path):
         # backward handles the latest forward first, so gradients pop from the end.
         self._awaiting_grad: dict[tuple[str, str, str], list[int]] = {}
-        self._unmaterialised: list[Record] = []
-        self._batches: dict[tuple, _Batch] = {}  # the batch being filled, per key
-        self._full: list[_Batch] = []  # filled batches, not yet reduced
-        self._batch_rows: dict[tuple, int] = {}
-        self._pending_bytes = 0
+        self._pending = _Pending()
 
     # -- adding (called by the ops and the eager hooks) ---------------------
     def _next_call(self, module: str, kind: str, path: str) -> int:
@@ -165,84 +259,28 @@ class Log:
         self._next_call(module, kind, path)
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
-        # Always a copy: the caller's tensor may change in place later (inplace
-        # ReLU, optimizer steps, gradient accumulation). One memory pass, no sync.
         live, x = x, x.detach()
         rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                     shape=tuple(x.shape), dtype=str(x.dtype).replace("torch.", ""), rank=self.rank, _log=self)
+                     shape=tuple(x.shape), dtype=_dtype_name(x.dtype), rank=self.rank)
         self.records.append(rec)
         if self.keep_graph:
             rec.live = live
-        wants_stats = bool(flags & STATS or not flags & TENSOR)
-        if x.numel() == 0:
+        # Always a copy: the caller's tensor may change in place later (inplace
+        # ReLU, optimizer steps, gradient accumulation). One memory pass, no sync.
+        if not flags & STATS and flags & TENSOR:
+            rec.tensor = x.clone(memory_format=torch.contiguous_format)
+        elif x.numel() == 0:
+            rec._stats = _stats_dict(rec.shape, rec.dtype, EMPTY)
             rec.tensor = x.clone() if flags & TENSOR else None
-            if wants_stats:
-                rec._raw_stats = empty_row(x.device)
-                self._unmaterialised.append(rec)
-            return
-        key = (x.device, x.dtype, x.numel())
-        batch = self._batches.get(key)
-        if batch is None or batch.used == len(batch.data):
-            if batch is not None:
-                self._full.append(batch)
-            # Grow batches of a size seen often, up to the memory budget.
-            rows = self._batch_rows.get(key, 16)
-            self._batch_rows[key] = min(rows * 4, 1024, max(16, PENDING_BYTES // (x.numel() * x.element_size())))
-            batch = self._batches[key] = _Batch(x, rows)
-        row = batch.add(x)
-        if flags & TENSOR:
-            rec.tensor = batch.data[row].view(x.shape)
-        if wants_stats:
-            batch.wanting_stats.append((rec, row))
-        self._pending_bytes += x.numel() * x.element_size()
-        if self._pending_bytes > PENDING_BYTES:
-            self._reduce_pending()
+        else:
+            group, row = self._pending.add(x)
+            rec._src = (self._pending, group, group.used - 1)
+            if flags & TENSOR:
+                rec.tensor = row
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
         self.records.append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                                   value=repr(value), rank=self.rank, _log=self))
-
-    def _retire(self, batch: _Batch, *, exact: bool) -> None:
-        """Compute a batch's statistics on its device (no sync) and hand them to its records."""
-        if batch.wanting_stats:
-            table = matrix_stats(batch.data[: batch.used], counts=exact)
-            for rec, row in batch.wanting_stats:
-                rec._raw_stats = table[row]
-                self._unmaterialised.append(rec)
-
-    def _reduce_pending(self, *, exact: bool = True) -> list[_Batch]:
-        """Reduce every kept copy to statistics (no sync); return the batches, now released."""
-        batches = [*self._full, *self._batches.values()]
-        for batch in batches:
-            self._retire(batch, exact=exact)
-        self._full, self._batches, self._pending_bytes = [], {}, 0
-        return batches
-
-    def _materialise(self) -> None:
-        """Copy every statistic not yet read to the host, one transfer per device.
-
-        Reading syncs anyway, so the fast path leaves NaN/Inf counts unknown
-        and they are counted here only for the tensors whose sums weren't finite.
-        """
-        kept = {id(rec): batch.data[row] for batch in self._reduce_pending(exact=False)
-                for rec, row in batch.wanting_stats}
-        unread, self._unmaterialised = self._unmaterialised, []
-        by_device: dict[torch.device, list[Record]] = {}
-        for rec in unread:
-            by_device.setdefault(rec._raw_stats.device, []).append(rec)
-        for recs in by_device.values():
-            rows = torch.stack([r._raw_stats for r in recs]).cpu().tolist()
-            for rec, values in zip(recs, rows):
-                stats = dict(zip(STAT_NAMES, values))
-                if math.isnan(stats["nan"]):  # unknown: zero unless the sums say otherwise
-                    if math.isfinite(stats["mean"]) and math.isfinite(stats["norm"]):
-                        stats["nan"] = stats["inf"] = 0
-                    else:
-                        stats["nan"], stats["inf"], stats["zero_frac"] = exact_counts(kept[id(rec)])
-                for name in _COUNTS:
-                    stats[name] = int(stats[name])
-                rec._stats = {"shape": rec.shape, "dtype": rec.dtype, **stats}
-                rec._raw_stats = None
+                                   value=repr(value), rank=self.rank))
 
     # -- reading --------------------------------------------------------------
     def __len__(self) -> int:
@@ -364,7 +402,7 @@ class Log:
         for row, tensor in zip(rows, tensors):
             shape = tuple(row["shape"]) if row["shape"] is not None else None
             rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
-                         dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor, _log=log)
+                         dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor)
             if row.get("mean") is not None or row.get("nan") is not None:
                 rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
             log.records.append(rec)

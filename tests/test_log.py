@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
+import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -170,14 +173,56 @@ class TestStats:
         assert len(log) == 3
         assert all(r.tensor is None and r.stats is not None for r in log.records)
 
-    def test_reading_one_record_materialises_all(self):
-        """Reading the last record's stats fills in every record's stats."""
+    def test_reading_one_record_reads_all(self):
+        """Reading one record's stats brings every statistic of the log to the host in one go."""
         model = mlp()
         picklehooks.instrument(model, capture=("output", "grad_output"))
         with picklehooks.record() as log:
             model(inputs()).sum().backward()
-        assert log.records[-1].stats is not None
-        assert all(r._stats is not None for r in log.records)
+        transfers = []
+        real_cpu = torch.Tensor.cpu
+
+        def counting_cpu(self, *args, **kwargs):
+            transfers.append(self.shape)
+            return real_cpu(self, *args, **kwargs)
+
+        with mock.patch.object(torch.Tensor, "cpu", counting_cpu):
+            assert log.records[-1].stats is not None
+            assert all(r.stats is not None for r in log.records)
+        assert len(transfers) == 1, transfers
+
+    def test_log_is_freed_without_the_garbage_collector(self):
+        """A dropped log frees its records and copies at once: no reference cycle holds them."""
+        model = mlp()
+        picklehooks.instrument(model, capture=("output", "grad_output"))
+        gc.disable()
+        try:
+            with picklehooks.record() as log:
+                model(inputs()).sum().backward()
+            copy = log._pending.unreduced[0].data
+            refs = [weakref.ref(log), weakref.ref(log.records[0]), weakref.ref(copy)]
+            del copy
+            del log
+            assert [r() for r in refs] == [None] * 3
+        finally:
+            gc.enable()
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    def test_std_with_large_mean_and_huge_values(self, dtype):
+        """Rows whose one-pass std is inaccurate (|mean| >> std) or overflowed get the exact std."""
+        model = nn.Sequential(nn.Identity())
+        picklehooks.instrument(model, capture="output", mode="both")
+        torch.manual_seed(0)
+        values = [1e4 + torch.randn(64, dtype=dtype), torch.full((64,), 0.1, dtype=dtype),
+                  torch.randn(64, dtype=dtype) * 1e30, torch.randn(64, dtype=dtype)]
+        with picklehooks.record() as log:
+            for v in values:
+                model(v)
+        for rec, v in zip(log.records, values):
+            want = v.double().std(correction=0).item()
+            assert rec.stats["std"] == pytest.approx(want, rel=1e-5, abs=1e-6), rec.key
+            assert rec.stats["mean"] == pytest.approx(v.double().mean().item(), rel=1e-5), rec.key
+            assert rec.stats["norm"] == pytest.approx(v.double().norm().item(), rel=1e-5), rec.key
 
 
 class TestNonFinite:

@@ -11,7 +11,6 @@ missing" into an error that says how to fix it.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from typing import Iterable, Iterator
 
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES, matrix_stats
+from .._stats import STAT_NAMES, tensor_stats
 from ..instrument import _NAME_ATTR, instrument
 from ..log import Log, Record
 
@@ -81,12 +80,7 @@ def stats_of(rec: Record) -> dict | None:
     """A record's statistics; computed from its tensor when it was recorded with ``mode="tensor"``."""
     if rec.stats is not None or rec.tensor is None:
         return rec.stats
-    x = rec.tensor.detach()
-    if x.numel() == 0:
-        values = [math.nan] * 6 + [0, 0, math.nan]
-    else:
-        values = matrix_stats(x.reshape(1, -1), counts=True)[0].tolist()
-    stats = dict(zip(STAT_NAMES, values))
+    stats = dict(zip(STAT_NAMES, tensor_stats(rec.tensor.detach())))
     stats["nan"], stats["inf"] = int(stats["nan"]), int(stats["inf"])
     return {"shape": rec.shape, "dtype": rec.dtype, **stats}
 
