@@ -29,6 +29,10 @@ Variants, each on its own deep copy of the same initial model:
 1b. a forward hook that does nothing on every module: the floor that any
    module hook pays in ``nn.Module.__call__`` (``instrument``'s defaults add
    exactly one forward hook per module);
+1c. a forward hook on every module that only copies its output (and, with
+   backward, a tensor hook that copies the gradient): the floor of any
+   recording that must survive later in-place changes, before computing
+   a single statistic;
 2. ``instrument(model)`` (defaults: capture output + grad_output, stats), not recording;
 3. the same model under ``record()``, then ``log.records[-1].stats``, which
    copies every record's statistics to the host (so the cost of reading them is included);
@@ -139,6 +143,22 @@ def noop_hook(module, inputs, output):
     return None
 
 
+def add_copy_hooks(model: nn.Module, store: list) -> None:
+    """The least any recording does: copy every output (and, in backward, its gradient), nothing else."""
+    def keep_grad(grad):
+        store.append(grad.clone())
+
+    def copy_hook(module, inputs, output):
+        if isinstance(output, torch.Tensor):
+            store.append(output.detach().clone())
+            if output.requires_grad:
+                output.register_hook(keep_grad)
+
+    for name, module in model.named_modules():
+        if name:
+            module.register_forward_hook(copy_hook)
+
+
 # -- timing ---------------------------------------------------------------------------------------
 
 def workload(model: nn.Module, x: torch.Tensor, backward: bool) -> Callable[[], None]:
@@ -216,6 +236,7 @@ def picklehooks_variants(model: nn.Module, x: torch.Tensor, backward: bool) -> t
     tensor_model = copy.deepcopy(model)
     naive_model = copy.deepcopy(model)
     noop_model = copy.deepcopy(model)
+    copy_model = copy.deepcopy(model)
     for name, module in noop_model.named_modules():
         if name:
             module.register_forward_hook(noop_hook)
@@ -223,6 +244,13 @@ def picklehooks_variants(model: nn.Module, x: torch.Tensor, backward: bool) -> t
     picklehooks.instrument(tensor_model, mode="tensor", example_inputs=(x,))
     store: list = []
     add_naive_hooks(naive_model, store)
+    copies: list = []
+    add_copy_hooks(copy_model, copies)
+    copy_work = workload(copy_model, x, backward)
+
+    def copy_run():
+        copy_work()
+        copies.clear()
 
     naive_work = workload(naive_model, x, backward)
 
@@ -234,6 +262,7 @@ def picklehooks_variants(model: nn.Module, x: torch.Tensor, backward: bool) -> t
         "un-instrumented": workload(plain, x, backward),
         "no-op forward hook on every module (floor)": workload(noop_model, x, backward),
         "instrumented, not recording": workload(stats_model, x, backward),
+        "hooks that only copy every output and gradient (floor)": copy_run,
         "recording stats (+ reading them)": recording(workload(stats_model, x, backward), read_stats=True),
         "recording tensors (mode=\"tensor\")": recording(workload(tensor_model, x, backward), read_stats=False),
         "hand-written closure hooks (.item() stats)": naive_run,
