@@ -31,6 +31,7 @@ import torch
 
 # The typed body must name paths exactly as the run-time body does.
 from ._hookrt import _join
+from ._ops import PARAM_GRAD
 
 # A shape is a small tree: ("T",) tensor, ("N",) None, ("X", "int") other
 # scalar, ("O", inner) optional, ("U", [items]) tuple, ("L", inner) list,
@@ -184,6 +185,13 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
                 em.lines.append(f"    {v} = torch.ops.picklehooks.tap_state({values[first]}, {refs}, name, "
                                 f"{kind!r}, {','.join(names)!r}, {state_flags})")
                 values[first] = v
+        if state_flags & PARAM_GRAD and params:
+            # Not detached: the op's kernel attaches gradient hooks to the parameters themselves.
+            v, refs = em.var(), ", ".join(f"module.{n}" for n in params)
+            em.lines.append(f"    {v} = torch.ops.picklehooks.watch_grads({values[first]}, "
+                            f"torch.jit.annotate(List[Optional[torch.Tensor]], [{refs}]), name, "
+                            f"{','.join(params)!r}, {state_flags})")
+            values[first] = v
     if flags:
         values = [em.emit(s, values[i], str(i), "    ") for i, s in enumerate(inputs)]
     ret = "(" + "".join(v + ", " for v in values) + ")"

@@ -11,10 +11,11 @@ While nothing records, :func:`skip` lets eager hooks return at once; while
 tracing it never skips, because the trace must contain the ops whatever the
 recording state is when the graph later runs.
 
-Limits: ``param_grad`` uses tensor hooks that these functions attach lazily
-in eager mode, so it is recorded only where such a hook has been attached by
-an eager recording forward; non-tensor values are recorded (by repr) only in
-eager mode.
+``param_grad`` is recorded by post-accumulate-grad hooks on the parameters,
+attached lazily (and once) by the pre-hook: directly in eager mode, through
+the ``watch_grads`` op where the hook is traced or scripted.
+
+Limits: non-tensor values are recorded (by repr) only in eager mode.
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops, _state
 from ._shim import PicklehooksError
 
 _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
 
-PARAM_GRAD = 16  # flags bit, beyond the op's own bits
 _tap = torch.ops.picklehooks.tap
 _tap_state = torch.ops.picklehooks.tap_state
+_watch_grads = torch.ops.picklehooks.watch_grads
 
 
 def _tracing() -> bool:
@@ -141,8 +141,12 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                     for n, v in zip(names, values):
                         if log is not None and v is not None:
                             log._add_tensor(name, kind, n, v, state_flags)
-    if state_flags & PARAM_GRAD and params and not _tracing():
-        _attach_param_grad_hooks(module, name, params, state_flags)
+    if state_flags & _ops.PARAM_GRAD and params:
+        values = [getattr(module, n) for n in params]
+        if _tracing() and first is not None:  # the graph must call the op that attaches the hooks
+            out[first] = _watch_grads(out[first], values, name, ",".join(params), state_flags)
+        elif not _tracing():
+            _ops.watch_grads(name, params, values, state_flags)
     if flags:
         out = [tap_tree(v, name, "input", str(i), flags) for i, v in enumerate(out)]
     return tuple(out)
@@ -153,29 +157,3 @@ def forward(module, output, flags: int):
     if type(output) is torch.Tensor and not _tracing():  # the common case, one call shorter
         return _eager_tap(output, _name_of(module), "output", "", flags)
     return tap_tree(output, _name_of(module), "output", "", flags)
-
-
-# Parameters whose gradients we already watch; weak so models can be freed.
-_WATCHED = WeakIdKeyDictionary()
-
-
-def _attach_param_grad_hooks(module, name: str, params: tuple, flags: int) -> None:
-    for pname in params:
-        param = getattr(module, pname)
-        if not isinstance(param, torch.Tensor) or not param.requires_grad or param in _WATCHED:
-            continue
-
-        def deliver(p, module_name=name, param_name=pname, flags=flags):
-            log = _state.active(from_autograd=True)
-            if log is not None and p.grad is not None:
-                log._add_tensor(module_name, "param_grad", param_name, p.grad.detach(), flags)
-
-        _WATCHED[param] = param.register_post_accumulate_grad_hook(deliver)
-
-
-def detach_param_grad_hooks(module) -> None:
-    """Remove the ``param_grad`` hooks attached to ``module``'s own parameters."""
-    for param in module.parameters(recurse=False):
-        handle = _WATCHED.pop(param, None)
-        if handle is not None:
-            handle.remove()

@@ -15,8 +15,16 @@ backward hooks are not supported (TorchScript, export).
 * ``picklehooks::tap_state(x, values, module, kind, names, flags)``: record
   parameters or buffers (``names`` comma-joined), threaded through ``x`` so that FX and export
   don't drop the read of a buffer.
+* ``picklehooks::watch_grads(x, params, module, names, flags)``: attach, once
+  per parameter, a post-accumulate-grad hook that records ``param_grad``.
+  Tensor hooks are never pickled and can't be attached from TorchScript or a
+  traced graph, but every backend hands this op's kernel the parameters
+  themselves (TorchScript, also after ``torch.jit.load``; FX; compile;
+  export), so the kernel attaches them: ``param_grad`` is recorded
+  wherever the model runs.
 
-``flags`` bits: :data:`VALUE`, :data:`GRAD`, :data:`STATS`, :data:`TENSOR`.
+``flags`` bits: :data:`VALUE`, :data:`GRAD`, :data:`STATS`, :data:`TENSOR`,
+:data:`PARAM_GRAD`, :data:`GUARD`.
 
 Limits: the ops are registered when picklehooks is imported; a process that
 loads a scripted or exported instrumented model must import picklehooks
@@ -30,11 +38,14 @@ import importlib
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _state
 from ._shim import PicklehooksError
 
 VALUE, GRAD, STATS, TENSOR = 1, 2, 4, 8
+#: ``param_grad`` is captured: pre-hooks watch the module's parameters (see :func:`watch_grads`).
+PARAM_GRAD = 16
 #: Raise :class:`NonfiniteError` when a tapped value or its gradient is not finite.
 GUARD = 32
 
@@ -64,6 +75,31 @@ def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_aut
                              f"among {x.numel()} values", module, kind, path, None if log is None else log.step)
 
 _NAMESPACE = "picklehooks"
+
+# Parameters whose gradients are watched, and the hooks' handles; weak so models can be freed.
+_WATCHED = WeakIdKeyDictionary()
+
+
+def watch_grads(module: str, names: list[str], params: list, flags: int) -> None:
+    """Record each parameter's gradient as ``param_grad`` once it is accumulated (attached once per parameter)."""
+    for name, param in zip(names, params):
+        if param is None or not param.requires_grad or not param.is_leaf or param in _WATCHED:
+            continue
+
+        def deliver(p: torch.Tensor, module: str = module, name: str = name, flags: int = flags) -> None:
+            log = _state.active(from_autograd=True)
+            if log is not None and p.grad is not None:
+                log._add_tensor(module, "param_grad", name, p.grad, flags)
+
+        _WATCHED[param] = param.register_post_accumulate_grad_hook(deliver)
+
+
+def unwatch_grads(params) -> None:
+    """Remove the hooks :func:`watch_grads` attached to these parameters."""
+    for param in params:
+        handle = _WATCHED.pop(param, None)
+        if handle is not None:
+            handle.remove()
 
 
 def _deliver(x: torch.Tensor, module: str, kind: str, path: str, flags: int, *, from_autograd: bool = False) -> None:
@@ -145,6 +181,29 @@ def _define_ops() -> None:
         return grad, [None] * ctx.n_values, None, None, None, None
 
     tap_state.register_autograd(_tap_state_backward, setup_context=_tap_state_setup)
+
+    @torch.library.custom_op(f"{_NAMESPACE}::watch_grads", mutates_args=())
+    def watch_grads_op(
+        x: torch.Tensor, params: list[Optional[torch.Tensor]], module: str, names: str, flags: int
+    ) -> torch.Tensor:
+        watch_grads(module, names.split(","), params, flags)
+        return x.clone()
+
+    @watch_grads_op.register_fake
+    def _watch_grads_fake(x, params, module, names, flags):
+        return torch.empty_like(x)
+
+    def _watch_grads_setup(ctx, inputs, output) -> None:
+        ctx.n_values = len(inputs[1])
+        if not inputs[0].requires_grad:
+            # The parameters are inputs only so that the kernel sees them: they
+            # must not make x (say, the model's input) require grad.
+            ctx.mark_non_differentiable(output)
+
+    def _watch_grads_backward(ctx, grad):
+        return grad, [None] * ctx.n_values, None, None, None
+
+    watch_grads_op.register_autograd(_watch_grads_backward, setup_context=_watch_grads_setup)
 
 
 # The host's picklehooks registers the ops. A copy of this file inside a

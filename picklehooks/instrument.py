@@ -16,7 +16,8 @@ Limits:
 * ``torch.fx.symbolic_trace`` drops the root module's hooks, so the root is
   only chosen when a pattern names it (``modules=[""]``).
 * ``input`` means positional arguments: a pre-hook can't see keyword ones.
-* ``param_grad`` is recorded in eager mode (see :mod:`picklehooks._hookrt`).
+* ``param_grad`` hooks are attached by the first forward after instrument()
+  (or after loading), so a backward needs a forward of its own to be seen.
 * ``profile=True`` hooks keep their ranges in a module attribute, which
   TorchScript can't compile: profile eager (or FX, compiled) models.
 """
@@ -59,7 +60,7 @@ class Instrumentation:
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
             module.__dict__.pop("_picklehooks_ranges", None)  # profile=True bookkeeping
-            _hookrt.detach_param_grad_hooks(module)
+            _ops.unwatch_grads(module.parameters(recurse=False))
         self.modules.clear()
 
     def __enter__(self) -> Instrumentation:
@@ -260,7 +261,7 @@ def instrument(
     if on_nonfinite == "raise":
         out_flags |= _ops.GUARD
     state_flags = (_ops.VALUE | store if {"param", "buffer"} & kinds else 0) | (
-        _hookrt.PARAM_GRAD | store if "param_grad" in kinds else 0)
+        _ops.PARAM_GRAD | store if "param_grad" in kinds else 0)
 
     handle = Instrumentation(model)
     try:

@@ -12,12 +12,13 @@ import torch
 
 import picklehooks
 
-#: Everything except param_grad, which only eager mode records (see picklehooks._hookrt).
-CAPTURE = ("input", "output", "grad_input", "grad_output", "param", "buffer")
+#: Every capture kind.
+CAPTURE = ("input", "output", "grad_input", "grad_output", "param", "buffer", "param_grad")
 
 
 def run(model, inputs) -> picklehooks.Log:
-    """One forward and backward pass under record()."""
+    """One training step's forward and backward under record() (gradients zeroed first, so param_grad is this step's)."""
+    model.zero_grad(set_to_none=True)
     with picklehooks.record() as log:
         out = model(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
