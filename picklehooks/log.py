@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from . import _state
+from ._jacobian import hutchinson
 from ._ops import STATS, TENSOR
 from ._stats import EMPTY, PAD, STAT_NAMES, finish, matrix_stats
 from ._shim import PicklehooksError
@@ -334,11 +335,26 @@ class Log:
             g = log.vjp("head", "encoder.0")
         """
         out, inp = self._one(output_name).live, self._one(input_name).live
-        v = torch.ones_like(out) if v is None else v
-        (grad,) = torch.autograd.grad(out, inp, grad_outputs=v, retain_graph=True, allow_unused=True)
+        return self._vjp(out, inp, torch.ones_like(out) if v is None else v, True, (output_name, input_name))
+
+    @staticmethod
+    def _vjp(out: torch.Tensor, inp: torch.Tensor, v: torch.Tensor, retain: bool, names: tuple) -> torch.Tensor:
+        (grad,) = torch.autograd.grad(out, inp, grad_outputs=v, retain_graph=retain, allow_unused=True)
         if grad is None:
-            raise PicklehooksError(f"{output_name!r} does not depend on {input_name!r}: no path between them in the graph")
+            raise PicklehooksError(f"{names[0]!r} does not depend on {names[1]!r}: no path between them in the graph")
         return grad
+
+    def jacobian_norm(self, output_name, input_name, *, samples: int = 64, seed: int = 0) -> tuple[float, float]:
+        """Hutchinson estimate of ``||d(output)/d(input)||_F`` between two recorded intermediates.
+
+        Returns ``(estimate, standard_error)`` from ``samples`` Rademacher
+        probes, one backward pass each (see :mod:`picklehooks._jacobian`).
+        Names as in :meth:`vjp`; needs ``record(keep_graph=True)``.
+        """
+        out, inp = self._one(output_name).live, self._one(input_name).live
+        # retain_graph always: the log's graph stays usable for further vjp() calls.
+        return hutchinson(out, lambda v, _: self._vjp(out, inp, v, True, (output_name, input_name)),
+                          samples=samples, seed=seed)
 
     def to_pandas(self):
         """:meth:`table` as a ``pandas.DataFrame`` (``pip install pandas``)."""

@@ -139,3 +139,43 @@ class TestHutchinson:
     def test_needs_two_samples(self):
         with pytest.raises(picklehooks.PicklehooksError, match="at least 2"):
             hutchinson_jacobian_norm(make_model(), torch.randn(1, 3), "2", "0", samples=1)
+
+
+class TestFromLog:
+    """Log.jacobian_norm: the same estimate from values recorded with keep_graph, in eager, FX and TorchScript."""
+
+    @pytest.mark.parametrize("backend", ["eager", "fx", "script"])
+    def test_within_three_standard_errors(self, backend):
+        model, x = make_model(), torch.randn(1, 3, generator=torch.Generator().manual_seed(2))
+        exact = float(torch.linalg.matrix_norm(reference_jacobian(model, x)))
+        picklehooks.instrument(model, capture=("output",), example_inputs=(x,))
+        run = {"eager": lambda m: m, "fx": torch.fx.symbolic_trace, "script": torch.jit.script}[backend](model)
+        with picklehooks.record(keep_graph=True) as log:
+            run(x)
+        estimate, stderr = log.jacobian_norm("2", "0", samples=256, seed=1)
+        assert stderr > 0
+        assert abs(estimate - exact) < 3 * stderr, (backend, estimate, exact, stderr)
+        # The same probes as the eager-model estimator: the same answer.
+        assert (estimate, stderr) == pytest.approx(hutchinson_jacobian_norm(make_model(), x, "2", "0", samples=256, seed=1))
+        # The graph is kept: vjp still works afterwards.
+        assert log.vjp("2", "0").shape == (1, 4)
+
+    def test_exact_for_one_output_scripted(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        x = torch.randn(1, 3)
+        h = model[0](x).detach()
+        exact = float(torch.autograd.functional.jacobian(lambda t: model[2](model[1](t)), h).norm())
+        picklehooks.instrument(model, capture=("output",), example_inputs=(x,))
+        with picklehooks.record(keep_graph=True) as log:
+            torch.jit.script(model)(x)
+        estimate, stderr = log.jacobian_norm("2", "0", samples=4)
+        assert estimate == pytest.approx(exact, rel=1e-6) and stderr == pytest.approx(0, abs=1e-9)
+
+    def test_needs_keep_graph(self):
+        model = make_model()
+        picklehooks.instrument(model, capture=("output",))
+        with picklehooks.record() as log:
+            model(torch.randn(1, 3))
+        with pytest.raises(picklehooks.PicklehooksError, match="keep_graph=True"):
+            log.jacobian_norm("2", "0")

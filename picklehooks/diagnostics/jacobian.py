@@ -22,7 +22,9 @@ independent samples ``J`` is block-diagonal and ``||J||_F^2`` is the sum of the
 samples' own squared norms; use a batch of one for one sample's Jacobian.
 
 Limits: eager mode (plain forward hooks; a scripted, FX or exported model's
-submodules aren't called as modules). The forward runs as the model is:
+submodules aren't called as modules); for those, record an instrumented
+model with ``picklehooks.record(keep_graph=True)`` and use
+:meth:`picklehooks.Log.vjp` and :meth:`picklehooks.Log.jacobian_norm`. The forward runs as the model is:
 call ``model.eval()`` first if dropout or batch-norm statistics should stay
 out of it (a training-mode forward also updates running statistics). A
 captured output that a later module changes in place (``inplace=True``
@@ -38,12 +40,12 @@ does the same between recorded values.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from .._jacobian import hutchinson
 from .._shim import PicklehooksError
 
 __all__ = ["vjp", "hutchinson_jacobian_norm"]
@@ -172,20 +174,9 @@ def hutchinson_jacobian_norm(model: nn.Module, inputs, output_module, input_modu
 
     Probes come from a CPU ``torch.Generator`` seeded with ``seed``: the same
     on every device and unaffected by (and not affecting) the global RNG.
+    For a scripted or FX model, record with ``picklehooks.record(keep_graph=True)``
+    and use :meth:`picklehooks.Log.jacobian_norm`.
     """
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 2:
-        raise PicklehooksError(f"samples={samples!r}: use at least 2 probes (the standard error needs two)")
     y, h = _forward(model, inputs, output_module, input_module, call)
     names = _names(output_module, input_module)
-    generator = torch.Generator().manual_seed(seed)
-    squares = []
-    for i in range(samples):
-        v = torch.randint(0, 2, y.shape, generator=generator).to(device=y.device, dtype=y.dtype) * 2 - 1
-        g = _grad(y, h, v, retain=i < samples - 1, names=names)
-        squares.append(g.detach().double().pow(2).sum())
-    s = torch.stack(squares).cpu()
-    mean = float(s.mean())
-    se_mean = float(s.std(unbiased=True)) / math.sqrt(samples)
-    estimate = math.sqrt(max(mean, 0.0))
-    stderr = se_mean / (2 * estimate) if estimate > 0 else 0.0
-    return estimate, stderr
+    return hutchinson(y, lambda v, retain: _grad(y, h, v, retain=retain, names=names), samples=samples, seed=seed)
