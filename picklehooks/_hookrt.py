@@ -32,6 +32,8 @@ _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
 _tap = torch.ops.picklehooks.tap
 _tap_state = torch.ops.picklehooks.tap_state
 _watch_grads = torch.ops.picklehooks.watch_grads
+_zero_grads = torch.ops.picklehooks.zero_grads
+_clamp_grad = torch.ops.picklehooks.clamp_grad
 
 
 def _tracing() -> bool:
@@ -157,3 +159,31 @@ def forward(module, output, flags: int):
     if type(output) is torch.Tensor and not _tracing():  # the common case, one call shorter
         return _eager_tap(output, _name_of(module), "output", "", flags)
     return tap_tree(output, _name_of(module), "output", "", flags)
+
+
+# -- gradient surgery (picklehooks.diagnostics.surgery), outside TorchScript ----------------------
+
+def clamp_tree(output, lo: float | None, hi: float | None):
+    """Forward-hook body of ``clamp_grad``: route every tensor of the output through the clamping op."""
+    if isinstance(output, _TENSORLIKE):
+        return _clamp_grad(output, lo, hi) if _tracing() or output.requires_grad else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(clamp_tree(v, lo, hi) for v in output)
+    if isinstance(output, dict):
+        return type(output)((k, clamp_tree(v, lo, hi)) for k, v in output.items())
+    return output
+
+
+def zero_pre(module, inputs: tuple, names: tuple):
+    """Pre-hook body of ``zero_param_grad``: have the named parameters' gradients zeroed."""
+    params = [getattr(module, n) for n in names]
+    if not _tracing():
+        _ops.zero_grads(params)
+        return None
+    out = list(inputs)
+    first = next((i for i, v in enumerate(out) if isinstance(v, _TENSORLIKE)), None)
+    if first is None:
+        raise PicklehooksError(f"zero_param_grad: {type(module).__name__} gets no tensor argument to carry "
+                               "the op through a traced graph; hook a module that does")
+    out[first] = _zero_grads(out[first], params)
+    return tuple(out)

@@ -22,6 +22,11 @@ backward hooks are not supported (TorchScript, export).
   themselves (TorchScript, also after ``torch.jit.load``; FX; compile;
   export), so the kernel attaches them: ``param_grad`` is recorded
   wherever the model runs.
+* ``picklehooks::clamp_grad(x, min, max)`` and ``picklehooks::zero_grads(x,
+  params)``: gradient surgery (:mod:`picklehooks.diagnostics.surgery`), by
+  the same two routes: an autograd formula that clamps the gradient flowing
+  back through ``x``, and a kernel that attaches, once per parameter, a
+  tensor hook zeroing its gradient.
 
 ``flags`` bits: :data:`VALUE`, :data:`GRAD`, :data:`STATS`, :data:`TENSOR`,
 :data:`PARAM_GRAD`, :data:`GUARD`.
@@ -96,8 +101,28 @@ def watch_grads(module: str, names: list[str], params: list, flags: int) -> None
 
 def unwatch_grads(params) -> None:
     """Remove the hooks :func:`watch_grads` attached to these parameters."""
+    _unhook(_WATCHED, params)
+
+
+# Parameters whose gradient is zeroed, and the tensor hooks' handles.
+_ZEROED = WeakIdKeyDictionary()
+
+
+def zero_grads(params: list) -> None:
+    """Make each parameter's gradient zero (a tensor hook, attached once per parameter)."""
     for param in params:
-        handle = _WATCHED.pop(param, None)
+        if param is not None and param.requires_grad and param not in _ZEROED:
+            _ZEROED[param] = param.register_hook(torch.zeros_like)
+
+
+def unzero_grads(params) -> None:
+    """Remove the hooks :func:`zero_grads` attached to these parameters."""
+    _unhook(_ZEROED, params)
+
+
+def _unhook(table: WeakIdKeyDictionary, params) -> None:
+    for param in params:
+        handle = table.pop(param, None)
         if handle is not None:
             handle.remove()
 
@@ -204,6 +229,36 @@ def _define_ops() -> None:
         return grad, [None] * ctx.n_values, None, None, None
 
     watch_grads_op.register_autograd(_watch_grads_backward, setup_context=_watch_grads_setup)
+
+    @torch.library.custom_op(f"{_NAMESPACE}::zero_grads", mutates_args=())
+    def zero_grads_op(x: torch.Tensor, params: list[Optional[torch.Tensor]]) -> torch.Tensor:
+        zero_grads(params)
+        return x.clone()
+
+    @zero_grads_op.register_fake
+    def _zero_grads_fake(x, params):
+        return torch.empty_like(x)
+
+    def _zero_grads_backward(ctx, grad):
+        return grad, [None] * ctx.n_values
+
+    zero_grads_op.register_autograd(_zero_grads_backward, setup_context=_watch_grads_setup)
+
+    @torch.library.custom_op(f"{_NAMESPACE}::clamp_grad", mutates_args=())
+    def clamp_grad(x: torch.Tensor, min: Optional[float], max: Optional[float]) -> torch.Tensor:
+        return x.clone()
+
+    @clamp_grad.register_fake
+    def _clamp_grad_fake(x, min, max):
+        return torch.empty_like(x)
+
+    def _clamp_grad_setup(ctx, inputs, output) -> None:
+        ctx.bounds = inputs[1:3]
+
+    def _clamp_grad_backward(ctx, grad):
+        return grad.clamp(*ctx.bounds), None, None
+
+    clamp_grad.register_autograd(_clamp_grad_backward, setup_context=_clamp_grad_setup)
 
 
 # The host's picklehooks registers the ops. A copy of this file inside a

@@ -17,7 +17,7 @@ from torch import nn
 
 import picklehooks
 from picklehooks import audit
-from picklehooks.diagnostics.surgery import ZERO_MARK, clamp_grad, zero_param_grad
+from picklehooks.diagnostics.surgery import clamp_grad, zero_param_grad
 from tests.testutils import run_fresh
 
 LIMIT = 0.05
@@ -108,7 +108,6 @@ class TestZeroParamGrad:
             torch.testing.assert_close(got[name], plain[name])
         handle.remove()
         assert not model[2]._forward_pre_hooks and not model[2].bias._backward_hooks
-        assert ZERO_MARK not in model[2].bias.__dict__
         torch.testing.assert_close(grads(model, x)["2.bias"], plain["2.bias"])
 
     def test_attaches_once_per_parameter(self):
@@ -121,11 +120,11 @@ class TestZeroParamGrad:
         assert torch.equal(got["2.bias"], torch.zeros(2))
 
     def test_pickle_and_deepcopy_keep_working(self):
-        """Copies carry the pre-hook, not the tensor hook; they re-attach it (the stale mark is ignored)."""
+        """Copies carry the pre-hook, not the tensor hook; they attach their own."""
         model, x = make_model(), inputs()
         zero_param_grad(model[2], "bias")
         grads(model, x)  # attached and marked
-        assert model[2].bias.__dict__[ZERO_MARK] in model[2].bias._backward_hooks
+        assert len(model[2].bias._backward_hooks) == 1
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "backward hook will not be serialized" warning
             copies = [pickle.loads(pickle.dumps(model)), copy.deepcopy(model),
@@ -176,3 +175,62 @@ def test_survives_torch_save_in_a_fresh_process(tmp_path):
     path = tmp_path / "model.pt"
     torch.save(model, path)
     assert run_fresh(CHILD, str(path), str(-LIMIT), str(LIMIT)).strip() == "surgery ok"
+
+
+def expected_surgery_grads(x) -> dict[str, torch.Tensor]:
+    """Gradients with layer 0's output gradient clamped and 2.bias zeroed, by hand, from the plain model."""
+    plain = make_model()
+    want = grads(plain, x)
+    want.update(clamped_first_layer_grads(plain, x, -LIMIT, LIMIT))
+    want["2.bias"] = torch.zeros(2)
+    return want
+
+
+def with_surgery() -> nn.Sequential:
+    model = make_model()
+    clamp_grad(model[0], min=-LIMIT, max=LIMIT)
+    zero_param_grad(model, "2.bias")
+    return model
+
+
+SCRIPT_CHILD = """
+import sys, torch
+import picklehooks  # registers the picklehooks:: ops a scripted model calls
+model = torch.jit.load(sys.argv[1])
+x, want = torch.load(sys.argv[2])
+for _ in range(2):
+    model.zero_grad(set_to_none=True)
+    (model(x) * torch.tensor([3.0, -2.0])).sum().backward()
+got = dict(model.named_parameters())
+for name, w in want.items():
+    torch.testing.assert_close(got[name].grad, w)
+print("scripted surgery ok")
+"""
+
+
+@pytest.mark.parametrize("backend", ["script", "script_saveload", "fx", "compile", "export"])
+def test_surgery_in_every_backend(backend, tmp_path):
+    """The clamp and the zeroing act the same under TorchScript (also loaded in a fresh process), FX, compile and export."""
+    x = inputs()
+    want = expected_surgery_grads(x)
+    model = with_surgery()
+    if backend == "script_saveload":
+        torch.jit.save(torch.jit.script(model), tmp_path / "model.pt")
+        torch.save((x, want), tmp_path / "expected.pt")
+        assert run_fresh(SCRIPT_CHILD, str(tmp_path / "model.pt"), str(tmp_path / "expected.pt")).strip() == \
+            "scripted surgery ok"
+        return
+    if backend == "script":
+        run = torch.jit.script(model)
+    elif backend == "fx":
+        run = torch.fx.symbolic_trace(model)
+    elif backend == "compile":
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True)
+    else:
+        run = torch.export.export(model, (x,)).module()
+    for _ in range(2):  # the second step runs with the zeroing hook attached by the first
+        got = {name.removeprefix("_orig_mod."): g for name, g in grads(run, x).items()}
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, msg=f"{backend}: {name}")
