@@ -31,7 +31,10 @@ import torch
 
 # The typed body must name paths exactly as the run-time body does.
 from ._hookrt import _join
-from ._ops import PARAM_GRAD
+from ._ops import GUARD, PARAM_GRAD
+
+#: Flags that keep a hook from skipping its work while nothing records.
+ALWAYS = GUARD
 
 # A shape is a small tree: ("T",) tensor, ("N",) None, ("X", "int") other
 # scalar, ("O", inner) optional, ("U", [items]) tuple, ("L", inner) list,
@@ -208,6 +211,42 @@ def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: i
     result = em.emit(output, "output", "", "    ")
     return _typed("picklehooks_forward", sig, annotation(output), generic,
                   ["    name = module._picklehooks_name"] + em.lines, result, flags)
+
+
+def range_hook_texts(inputs: list[Shape] | None, output: Shape | None) -> tuple[str, str]:
+    """Texts of ``profile=True``'s pre-hook (opens the range) and forward hook (closes it).
+
+    Typed only when the range can ride on a top-level tensor both ways in (a
+    tensor argument) and out (the output, or a tensor in an output tuple);
+    other modules get untyped hooks, which time them everywhere but TorchScript.
+    """
+    enter_generic, exit_generic = "_rt.range_pre(module, inputs)", "_rt.range_post(module, output)"
+    first_in = next((i for i, s in enumerate(inputs or []) if s == ("T",)), None)
+    if output == ("T",):
+        first_out = None
+    elif output is not None and output[0] == "U":
+        first_out = next((i for i, s in enumerate(output[1]) if s == ("T",)), None)
+    else:
+        first_out = -1
+    if inputs is None or first_in is None or first_out == -1:
+        return (_untyped("picklehooks_range_enter", "module, inputs", enter_generic, ALWAYS),
+                _untyped("picklehooks_range_exit", "module, inputs, output", exit_generic, ALWAYS))
+    in_type = annotation(("U", inputs))
+    values = [f"inputs[{i}]" for i in range(len(inputs))]
+    values[first_in] = "v1"
+    enter = _typed("picklehooks_range_enter", f"module: torch.nn.Module, inputs: {in_type}", in_type, enter_generic,
+                   ["    v1 = torch.ops.picklehooks.range_enter(inputs[%d], module._picklehooks_name)" % first_in],
+                   "(" + "".join(v + ", " for v in values) + ")", ALWAYS)
+    if first_out is None:
+        body, ret = ["    v1 = torch.ops.picklehooks.range_exit(output, module._picklehooks_name)"], "v1"
+    else:
+        items = [f"output[{i}]" for i in range(len(output[1]))]
+        items[first_out] = "v1"
+        body = [f"    v1 = torch.ops.picklehooks.range_exit(output[{first_out}], module._picklehooks_name)"]
+        ret = "(" + "".join(v + ", " for v in items) + ")"
+    exit_ = _typed("picklehooks_range_exit", f"module: torch.nn.Module, inputs: {in_type}, output: {annotation(output)}",
+                   annotation(output), exit_generic, body, ret, ALWAYS)
+    return enter, exit_
 
 
 def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret: str, flags: int) -> str:

@@ -34,6 +34,8 @@ _tap_state = torch.ops.picklehooks.tap_state
 _watch_grads = torch.ops.picklehooks.watch_grads
 _zero_grads = torch.ops.picklehooks.zero_grads
 _clamp_grad = torch.ops.picklehooks.clamp_grad
+_range_enter = torch.ops.picklehooks.range_enter
+_range_exit = torch.ops.picklehooks.range_exit
 
 
 def _tracing() -> bool:
@@ -41,7 +43,7 @@ def _tracing() -> bool:
 
 
 def skip(flags: int = 0) -> bool:
-    """True when an eager hook can return without doing anything (guards never skip)."""
+    """True when an eager hook can return without doing anything (guards and profiler ranges never skip)."""
     # _tracing() first: torch.compile can't trace the context variable behind idle().
     return not flags & _ops.GUARD and not _tracing() and _state.idle()
 
@@ -187,3 +189,38 @@ def zero_pre(module, inputs: tuple, names: tuple):
                                "the op through a traced graph; hook a module that does")
     out[first] = _zero_grads(out[first], params)
     return tuple(out)
+
+
+# -- profiler ranges (instrument(profile=True)), outside TorchScript --------------------------------
+
+def _first_tensor(values) -> int | None:
+    return next((i for i, v in enumerate(values) if isinstance(v, _TENSORLIKE)), None)
+
+
+def range_pre(module, inputs: tuple):
+    """Pre-hook body of ``profile=True``: open the module's range (in a graph: through its first tensor input)."""
+    name = _name_of(module)
+    if not _tracing():
+        _ops.range_enter(name)
+        return None
+    first = _first_tensor(inputs)
+    if first is None:  # nothing to carry the op: this module gets no range in the graph
+        return None
+    out = list(inputs)
+    out[first] = _range_enter(out[first], name)
+    return tuple(out)
+
+
+def range_post(module, output):
+    """Forward-hook body of ``profile=True`` (always called, also when forward raised): close the range."""
+    name = _name_of(module)
+    if not _tracing():
+        _ops.range_exit(name)
+        return None
+    if isinstance(output, _TENSORLIKE):
+        return _range_exit(output, name)
+    if isinstance(output, (tuple, list)) and (first := _first_tensor(output)) is not None:
+        out = list(output)
+        out[first] = _range_exit(out[first], name)
+        return type(output)(out) if type(output) in (tuple, list) else output
+    return None

@@ -22,6 +22,10 @@ backward hooks are not supported (TorchScript, export).
   themselves (TorchScript, also after ``torch.jit.load``; FX; compile;
   export), so the kernel attaches them: ``param_grad`` is recorded
   wherever the model runs.
+* ``picklehooks::range_enter(x, name)`` and ``picklehooks::range_exit(x,
+  name)``: ``instrument(profile=True)``'s profiler ranges around a module's
+  forward, threaded through its first tensor input and its output so that
+  graphs keep them in order (:func:`range_enter`, :func:`range_exit`).
 * ``picklehooks::clamp_grad(x, min, max)`` and ``picklehooks::zero_grads(x,
   params)``: gradient surgery (:mod:`picklehooks.diagnostics.surgery`), by
   the same two routes: an autograd formula that clamps the gradient flowing
@@ -40,6 +44,7 @@ eager hooks skip the op entirely while nothing records.
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Optional
 
 import torch
@@ -118,6 +123,31 @@ def zero_grads(params: list) -> None:
 def unzero_grads(params) -> None:
     """Remove the hooks :func:`zero_grads` attached to these parameters."""
     _unhook(_ZEROED, params)
+
+
+#: What a module's profiler range is named before its qualified name ("2.0" alone
+#: would be mangled by the profiler into ".0").
+RANGE_PREFIX = "module:"
+_RANGES = threading.local()  # this thread's open ranges: (name, record_function)
+
+
+def range_enter(name: str) -> None:
+    """Open the profiler range ``module:<name>`` (cheap while no profiler runs)."""
+    rf = torch.autograd.profiler.record_function(RANGE_PREFIX + name)
+    rf.__enter__()
+    _RANGES.__dict__.setdefault("stack", []).append((name, rf))
+
+
+def range_exit(name: str) -> None:
+    """Close the innermost open range of ``name``, and any left open inside it (by an exception)."""
+    stack = _RANGES.__dict__.get("stack", [])
+    if not any(n == name for n, _ in stack):
+        return
+    while stack:
+        n, rf = stack.pop()
+        rf.__exit__(None, None, None)
+        if n == name:
+            return
 
 
 def _unhook(table: WeakIdKeyDictionary, params) -> None:
@@ -243,6 +273,20 @@ def _define_ops() -> None:
         return grad, [None] * ctx.n_values
 
     zero_grads_op.register_autograd(_zero_grads_backward, setup_context=_watch_grads_setup)
+
+    @torch.library.custom_op(f"{_NAMESPACE}::range_enter", mutates_args=())
+    def range_enter_op(x: torch.Tensor, name: str) -> torch.Tensor:
+        range_enter(name)
+        return x.clone()
+
+    @torch.library.custom_op(f"{_NAMESPACE}::range_exit", mutates_args=())
+    def range_exit_op(x: torch.Tensor, name: str) -> torch.Tensor:
+        range_exit(name)
+        return x.clone()
+
+    for op in (range_enter_op, range_exit_op):
+        op.register_fake(lambda x, name: torch.empty_like(x))
+        op.register_autograd(lambda ctx, grad: (grad, None))
 
     @torch.library.custom_op(f"{_NAMESPACE}::clamp_grad", mutates_args=())
     def clamp_grad(x: torch.Tensor, min: Optional[float], max: Optional[float]) -> torch.Tensor:

@@ -18,8 +18,9 @@ Limits:
 * ``input`` means positional arguments: a pre-hook can't see keyword ones.
 * ``param_grad`` hooks are attached by the first forward after instrument()
   (or after loading), so a backward needs a forward of its own to be seen.
-* ``profile=True`` hooks keep their ranges in a module attribute, which
-  TorchScript can't compile: profile eager (or FX, compiled) models.
+* ``profile=True`` ranges ride on a tensor argument and a tensor output
+  where the hooks are scripted or traced; modules without one are timed in
+  eager mode only.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ class Instrumentation:
         self._handles.clear()
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
-            module.__dict__.pop("_picklehooks_ranges", None)  # profile=True bookkeeping
             _ops.unwatch_grads(module.parameters(recurse=False))
         self.modules.clear()
 
@@ -185,24 +185,6 @@ def _shapes(module: nn.Module, observed: tuple | None) -> tuple[list | None, Any
     return in_shapes, out_shape
 
 
-# Profiler ranges named "module:<qualified name>" ("2.0" alone would be mangled
-# by the profiler into ".0"): entered before forward, left after it (always_call,
-# so an exception inside forward still closes the range).
-_PROFILE_ENTER = """\
-import torch
-def picklehooks_profile_enter(module, inputs):
-    handle = torch.ops.profiler._record_function_enter_new("module:" + module._picklehooks_name, None)
-    module.__dict__.setdefault("_picklehooks_ranges", []).append(handle)
-"""
-_PROFILE_EXIT = """\
-import torch
-def picklehooks_profile_exit(module, inputs, output):
-    ranges = module.__dict__.get("_picklehooks_ranges")
-    if ranges:
-        torch.ops.profiler._record_function_exit._RecordFunction(ranges.pop())
-"""
-
-
 def _hook(text: str):
     return getattr(hub(), codec.encode(text))
 
@@ -232,7 +214,8 @@ def instrument(
     gradient, a guard that raises :class:`~picklehooks.NonfiniteError` naming
     the module and the step (one host sync per tensor, recording or not).
     ``profile=True`` wraps each module call in a ``torch.profiler`` range named
-    ``module:<qualified name>`` (eager mode; see :mod:`picklehooks.diagnostics.profile`).
+    ``module:<qualified name>``, eager or scripted, traced or compiled (see
+    :mod:`picklehooks.diagnostics.profile`).
     """
     if not isinstance(model, nn.Module):
         raise PicklehooksError(f"instrument() takes an nn.Module, got {type(model).__name__}")
@@ -286,8 +269,10 @@ def instrument(
                 text = _generate.forward_hook_text(in_shapes, out_shape, out_flags)
                 handle._handles.append(module.register_forward_hook(_hook(text)))
             if profile:
-                handle._handles.append(module.register_forward_pre_hook(_hook(_PROFILE_ENTER)))
-                handle._handles.append(module.register_forward_hook(_hook(_PROFILE_EXIT), always_call=True))
+                # always_call: an exception inside forward still closes the range (eager).
+                enter, exit_ = _generate.range_hook_texts(in_shapes, out_shape)
+                handle._handles.append(module.register_forward_pre_hook(_hook(enter)))
+                handle._handles.append(module.register_forward_hook(_hook(exit_), always_call=True))
     except BaseException:
         handle.remove()
         raise

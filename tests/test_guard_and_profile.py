@@ -9,6 +9,7 @@ from torch import nn
 import picklehooks
 from picklehooks.diagnostics.profile import module_times
 from tests.fault_models import NaNGrad
+from tests.testutils import run_fresh
 
 
 def model_with_nan_at(layer: int) -> nn.Sequential:
@@ -121,3 +122,44 @@ class TestErrors:
             quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
         with picklehooks.record(), pytest.raises(picklehooks.PicklehooksError, match="instrument the transformed model"):
             quantized(torch.randn(2, 4))
+
+
+PROFILE_CHILD = """
+import sys, torch
+import picklehooks  # registers the picklehooks:: ops a scripted model calls
+from picklehooks.diagnostics.profile import module_times
+model = torch.jit.load(sys.argv[1])
+with torch.profiler.profile() as prof:
+    for _ in range(2):
+        model(torch.randn(4, 8))
+print(sorted((r["module"], r["calls"]) for r in module_times(prof, model)))
+"""
+
+
+@pytest.mark.parametrize("backend", ["script", "script_saveload", "fx", "compile", "export"])
+def test_profile_ranges_in_every_backend(backend, tmp_path):
+    """profile=True ranges name each module under TorchScript (also jit.load in a fresh process), FX, compile, export."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    x = torch.randn(4, 8)
+    picklehooks.instrument(model, profile=True, example_inputs=(x,))
+    want = [(name, 2) for name in ("0", "1", "2", "2.0", "2.1")]
+    if backend == "script_saveload":
+        torch.jit.save(torch.jit.script(model), tmp_path / "model.pt")
+        out = run_fresh(PROFILE_CHILD, str(tmp_path / "model.pt"))
+        assert out.strip().splitlines()[-1] == repr(want)
+        return
+    if backend == "script":
+        run = torch.jit.script(model)
+    elif backend == "fx":
+        run = torch.fx.symbolic_trace(model)
+    elif backend == "compile":
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True)
+        run(x)  # compiled outside the profile
+    else:
+        run = torch.export.export(model, (x,)).module()
+    reference = model(x)
+    with torch.profiler.profile() as prof:
+        for _ in range(2):
+            torch.testing.assert_close(run(x), reference)
+    assert sorted((r["module"], r["calls"]) for r in module_times(prof)) == want

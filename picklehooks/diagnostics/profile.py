@@ -7,19 +7,21 @@ ranges into a table.
 
 Limits: times are the profiler's own (host-side CPU time, plus device time
 when the profiler records a device); a module's total includes its children;
-the ranges cover forward only (backward runs outside module calls).
+the ranges cover forward only (backward runs outside module calls). In a
+scripted, traced or compiled model a range opens when the module's first
+tensor argument is ready and closes when its output is; a compiled graph may
+fuse work across module boundaries, so there ranges are approximate.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from .._ops import RANGE_PREFIX
 from ..instrument import _NAME_ATTR
 
 __all__ = ["module_times", "RANGE_PREFIX"]
 
-#: What ``instrument(profile=True)`` puts before a module's name in a range's name.
-RANGE_PREFIX = "module:"
 
 
 def module_times(prof, model: nn.Module | None = None) -> list[dict]:
