@@ -103,13 +103,15 @@ class _Pending:
             size = x.numel() * x.element_size()
             # A model records the same shapes every step: size the group for what the
             # last log recorded, and grow fourfold while that isn't enough.
-            capacity = max(_CAPACITY.get(key, 16), 4 * (len(group.views) if group else 0))
+            capacity = max(_CAPACITY.get(key, 4), 4 * (len(group.views) if group else 0))
             group = self.filling[key] = _Group(x, max(1, min(capacity, PENDING_BYTES // size)))
             self.unreduced.append(group)
         row = group.views[group.used]
         row.copy_(x)
         group.used += 1
         if seen > _CAPACITY.get(key, 0):
+            if len(_CAPACITY) >= 1024:  # e.g. a shape per sequence length: forget, don't grow
+                _CAPACITY.clear()
             _CAPACITY[key] = seen
         self.bytes += x.numel() * x.element_size()
         if self.bytes > PENDING_BYTES:

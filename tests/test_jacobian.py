@@ -179,3 +179,17 @@ class TestFromLog:
             model(torch.randn(1, 3))
         with pytest.raises(picklehooks.PicklehooksError, match="keep_graph=True"):
             log.jacobian_norm("2", "0")
+
+
+def test_compiled_model_uses_its_original_module():
+    """vjp and the Hutchinson estimate on a torch.compile'd model equal those of the eager model."""
+    model, x = make_model(), torch.randn(2, 3)
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x)
+    torch.testing.assert_close(vjp(compiled, x, "2", "0"), vjp(model, x, "2", "0"))
+    assert hutchinson_jacobian_norm(compiled, x, "2", "0", samples=8) == hutchinson_jacobian_norm(model, x, "2", "0", samples=8)
+
+
+def test_scripted_model_is_pointed_to_the_log():
+    with pytest.raises(picklehooks.PicklehooksError, match="keep_graph=True"):
+        vjp(torch.jit.script(make_model()), torch.randn(1, 3), "2", "0")

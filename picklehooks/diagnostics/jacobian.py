@@ -22,7 +22,9 @@ independent samples ``J`` is block-diagonal and ``||J||_F^2`` is the sum of the
 samples' own squared norms; use a batch of one for one sample's Jacobian.
 
 Limits: eager mode (plain forward hooks; a scripted, FX or exported model's
-submodules aren't called as modules); for those, record an instrumented
+submodules aren't called as modules). A ``torch.compile``\ d model is
+differentiated through its original module (the same function and
+parameters, run eagerly). For scripted and FX models, record an instrumented
 model with ``picklehooks.record(keep_graph=True)`` and use
 :meth:`picklehooks.Log.vjp` and :meth:`picklehooks.Log.jacobian_norm`. The forward runs as the model is:
 call ``model.eval()`` first if dropout or batch-norm statistics should stay
@@ -79,7 +81,12 @@ def _forward(model: nn.Module, inputs, output_module, input_module, call) -> tup
     if not isinstance(model, nn.Module):
         raise PicklehooksError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
-        raise PicklehooksError("Jacobians between layers need an eager model (TorchScript runs no forward hooks)")
+        raise PicklehooksError(
+            "a scripted model runs no Python forward hooks: instrument it before scripting, record with "
+            "picklehooks.record(keep_graph=True), then use log.vjp(...) / log.jacobian_norm(...)")
+    # A compiled model's intermediates live inside its graph, outside autograd; its original
+    # module computes the same function with the same parameters, eagerly.
+    model = getattr(model, "_orig_mod", model) if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
     out_name, out_mod = _module(model, output_module, "output_module")
     in_name, in_mod = _module(model, input_module, "input_module")
     if out_mod is in_mod:
