@@ -225,6 +225,46 @@ class TestStats:
             assert rec.stats["norm"] == pytest.approx(v.double().norm().item(), rel=1e-5), rec.key
 
 
+class TestBatchedReduction:
+    """Records of one shape are reduced together; every path gives each record's own statistics."""
+
+    @staticmethod
+    def values() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        out = []
+        for i in range(41):  # more rows than a first group holds, so groups fill and grow
+            v = torch.randn(5, 8) * (i + 1)
+            if i % 7 == 3:
+                v[1, 2] = math.nan
+            if i % 11 == 5:
+                v[0, 0], v[2, 1] = math.inf, -math.inf
+            if i % 13 == 6:
+                v = v + 1e4  # |mean| >> std: the one-pass std is repaired
+            if i % 5 == 0:
+                v[v < 0] = 0
+            out.append(v)
+        return out
+
+    @pytest.mark.parametrize("budget", [None, 5 * 8 * 4 * 3])  # default, or reduce (exactly) every 3 records
+    def test_each_record_has_its_own_stats(self, budget, monkeypatch):
+        if budget is not None:
+            monkeypatch.setattr(picklehooks.log, "PENDING_BYTES", budget)
+        model = nn.Sequential(nn.Identity())
+        picklehooks.instrument(model, capture="output", mode="both")
+        values = self.values()
+        with picklehooks.record() as log:
+            for v in values:
+                model(v)
+        assert len(log.records) == len(values)
+        for rec, v in zip(log.records, values):
+            assert torch.equal(rec.tensor.nan_to_num(), v.nan_to_num())
+            want = expected_stats(v)
+            for name in STAT_NAMES:
+                got = rec.stats[name]
+                assert same_float(got, want[name]) or got == pytest.approx(want[name], rel=1e-5, abs=1e-5), \
+                    (rec.call, name, got, want[name])
+
+
 class TestNonFinite:
     def test_nan_inf_counts(self):
         """nan and inf count exactly the planted NaN and ±Inf values."""
