@@ -56,6 +56,10 @@ def _join(path: str, key) -> str:
 _TENSORLIKE = (torch.Tensor, torch.fx.Proxy)
 
 
+def _first_tensor(values) -> int | None:
+    return next((i for i, v in enumerate(values) if isinstance(v, _TENSORLIKE)), None)
+
+
 class _GradRecorder:
     """Tensor hook of the eager path: hands a gradient to the log."""
 
@@ -132,7 +136,7 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
     """Pre-hook body: tap positional inputs; thread params/buffers through the first tensor input."""
     name = _name_of(module)
     out = list(inputs)
-    first = next((i for i, v in enumerate(out) if isinstance(v, _TENSORLIKE)), None)
+    first = _first_tensor(out)
     if first is not None:
         for kind, names in (("param", params), ("buffer", buffers)):
             if names:
@@ -170,10 +174,15 @@ def clamp_tree(output, lo: float | None, hi: float | None):
     if isinstance(output, _TENSORLIKE):
         return _clamp_grad(output, lo, hi) if _tracing() or output.requires_grad else output
     if isinstance(output, (tuple, list)):
-        return type(output)(clamp_tree(v, lo, hi) for v in output)
+        return _rebuild(output, [clamp_tree(v, lo, hi) for v in output])
     if isinstance(output, dict):
         return type(output)((k, clamp_tree(v, lo, hi)) for k, v in output.items())
     return output
+
+
+def _rebuild(seq, items: list):
+    """``seq``'s type (tuple, list, namedtuple) holding ``items``."""
+    return type(seq)(*items) if hasattr(seq, "_fields") else type(seq)(items)
 
 
 def zero_pre(module, inputs: tuple, names: tuple):
@@ -183,7 +192,7 @@ def zero_pre(module, inputs: tuple, names: tuple):
         _ops.zero_grads(params)
         return None
     out = list(inputs)
-    first = next((i for i, v in enumerate(out) if isinstance(v, _TENSORLIKE)), None)
+    first = _first_tensor(out)
     if first is None:
         raise PicklehooksError(f"zero_param_grad: {type(module).__name__} gets no tensor argument to carry "
                                "the op through a traced graph; hook a module that does")
@@ -192,10 +201,6 @@ def zero_pre(module, inputs: tuple, names: tuple):
 
 
 # -- profiler ranges (instrument(profile=True)), outside TorchScript --------------------------------
-
-def _first_tensor(values) -> int | None:
-    return next((i for i, v in enumerate(values) if isinstance(v, _TENSORLIKE)), None)
-
 
 def range_pre(module, inputs: tuple):
     """Pre-hook body of ``profile=True``: open the module's range (in a graph: through its first tensor input)."""
@@ -222,5 +227,5 @@ def range_post(module, output):
     if isinstance(output, (tuple, list)) and (first := _first_tensor(output)) is not None:
         out = list(output)
         out[first] = _range_exit(out[first], name)
-        return type(output)(out) if type(output) in (tuple, list) else output
+        return _rebuild(output, out)
     return None

@@ -234,3 +234,26 @@ def test_surgery_in_every_backend(backend, tmp_path):
     assert got.keys() == want.keys()
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, msg=f"{backend}: {name}")
+
+
+def test_clamp_keeps_a_namedtuple_output():
+    """clamp_grad rebuilds tuple-like outputs as their own type (a namedtuple stays one) and clamps each tensor."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Split(nn.Module):
+        def forward(self, x):
+            return Pair(x * 3, x * -3)
+
+    model, x = Split(), torch.ones(2, 2, requires_grad=True)
+    clamp_grad(model, min=-1.0, max=1.0)
+    out = model(x)
+    assert isinstance(out, Pair)
+    (out.a.sum() + out.b.sum()).backward()
+    # dL/da = dL/db = 1, inside the clamp: x.grad = 3 - 3.
+    torch.testing.assert_close(x.grad, torch.zeros(2, 2))
+    x.grad = None
+    out = model(x)
+    (5 * out.a.sum()).backward()  # dL/da = 5, clamped to 1: x.grad = 3
+    torch.testing.assert_close(x.grad, torch.full((2, 2), 3.0))
