@@ -311,8 +311,14 @@ def _define_ops() -> None:
 # however many archives are loaded: op names are global to the process.
 if __name__ != "picklehooks._ops":
     try:
-        importlib.import_module("picklehooks._ops")
+        _host = importlib.import_module("picklehooks._ops")
     except ImportError:
         pass
+    else:
+        # One set of watched parameters and open ranges, and the host's error class
+        # (so that ``except picklehooks.NonfiniteError`` catches packaged hooks' errors).
+        (NonfiniteError, check_finite, watch_grads, unwatch_grads, zero_grads, unzero_grads, range_enter,
+         range_exit) = (_host.NonfiniteError, _host.check_finite, _host.watch_grads, _host.unwatch_grads,
+                        _host.zero_grads, _host.unzero_grads, _host.range_enter, _host.range_exit)
 if not _defined():
     _define_ops()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -216,3 +217,14 @@ class TestInstrumented:
         count, result = out.strip().split(" ", 1)
         assert int(count) == sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) > 0
         assert result == str(model(*x)[0].tolist())
+
+    def test_packaged_guard_raises_the_hosts_error(self, tmp_path):
+        """Loaded next to an installed picklehooks, a packaged guard raises picklehooks.NonfiniteError itself."""
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+        picklehooks.instrument(model, on_nonfinite="raise")
+        path = tmp_path / "model.pt"
+        picklehooks.package.save(path, model)
+        loaded = PackageImporter(path).load_pickle("model", "model.pkl")
+        with pytest.raises(picklehooks.NonfiniteError) as info:
+            loaded(torch.tensor([[1.0, math.nan, 0.0]]))
+        assert info.value.module == "0"
