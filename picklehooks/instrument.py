@@ -186,6 +186,7 @@ def _shapes(module: nn.Module, observed: tuple | None) -> tuple[list | None, Any
 
 
 def _hook(text: str):
+    """The hub's function for this hook text (the text is its name)."""
     return getattr(hub(), codec.encode(text))
 
 

@@ -49,8 +49,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import _ops, codec
-from .._shim import PicklehooksError, hub
+from .. import _ops
+from .._shim import PicklehooksError
+from ..instrument import _hook
 
 __all__ = ["clamp_grad", "zero_param_grad"]
 
@@ -99,10 +100,6 @@ def picklehooks_zero_param_grad(module: torch.nn.Module, inputs: Tuple[torch.Ten
     params = torch.jit.annotate(List[Optional[torch.Tensor]], [module.{name}])
     return (torch.ops.picklehooks.zero_grads(inputs[0], params),)
 """
-
-
-def _hook(text: str):
-    return getattr(hub(), codec.encode(text))
 
 
 class _ZeroGradHandle(RemovableHandle):
