@@ -93,8 +93,9 @@ def finish(x: torch.Tensor, rows: list[list[float]]) -> list[list[float]]:
     """Complete the host ``rows`` of a fast :func:`matrix_stats` table of ``x``, in place.
 
     NaN/Inf counts are zero where mean and norm are finite and are counted
-    otherwise; ``std`` is recomputed in two passes, in float64, where the
-    one-pass value may be inaccurate (``mean**2 > 16 var``) or overflowed.
+    otherwise; ``std`` and ``norm`` are recomputed in float64 (``std`` in two
+    passes) where the one-pass ``std`` may be inaccurate (``mean**2 > 16 var``)
+    or the float32 sum of squares overflowed.
     """
     count, refine = [], []
     for i, row in enumerate(rows):
