@@ -9,7 +9,8 @@ Shows:
    (a frozen bias, without touching ``requires_grad``).
 3. Both are portable hooks: the model is saved with plain ``torch.save`` and a
    fresh process that loads it gets the same surgery (the tensor hooks, which
-   PyTorch never pickles, are re-attached by the module hooks).
+   PyTorch never pickles, are re-attached by the module hooks); the same
+   surgery acts in the scripted and compiled model (through picklehooks' ops).
 4. ``vjp(model, x, later, earlier)`` and ``hutchinson_jacobian_norm``: how
    strongly a later layer's output reacts to an earlier one's, checked
    against the exact Jacobian of the sub-network between them.
@@ -50,7 +51,9 @@ def make_model() -> nn.Sequential:
 def grads(model, x):
     model.zero_grad()
     model(x).square().sum().backward()
-    return model.encoder[0].weight.grad.abs().max().item(), model.head.bias.grad.tolist()
+    params = dict(model.named_parameters())
+    prefix = "_orig_mod." if "_orig_mod.head.bias" in params else ""  # a compiled model's names
+    return params[prefix + "encoder.0.weight"].grad.abs().max().item(), params[prefix + "head.bias"].grad.tolist()
 
 
 def main() -> None:
@@ -73,6 +76,11 @@ def main() -> None:
         print(f"another process, loading {os.path.getsize(path)} bytes with plain torch.load:")
         child = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, check=True)
         print(child.stdout, end="")
+
+    scripted, compiled = torch.jit.script(model), torch.compile(model, fullgraph=True, backend="aot_eager")
+    for name, form in (("torch.jit.script", scripted), ("torch.compile", compiled)):
+        w_form, b_form = grads(form, x)
+        print(f"{name}: the same surgery: {abs(w_form - w) < 1e-6 and b_form == b}")
 
     for handle in handles:  # the surgery would shape the Jacobians below too: take it off
         handle.remove()
