@@ -9,7 +9,7 @@ from torch import nn
 import picklehooks
 from picklehooks.diagnostics.profile import module_times
 from tests.fault_models import NaNGrad
-from tests.testutils import run_fresh
+from tests.testutils import run_fresh, transformed
 
 
 def model_with_nan_at(layer: int) -> nn.Sequential:
@@ -148,16 +148,9 @@ def test_profile_ranges_in_every_backend(backend, tmp_path):
         out = run_fresh(PROFILE_CHILD, str(tmp_path / "model.pt"))
         assert out.strip().splitlines()[-1] == repr(want)
         return
-    if backend == "script":
-        run = torch.jit.script(model)
-    elif backend == "fx":
-        run = torch.fx.symbolic_trace(model)
-    elif backend == "compile":
-        torch._dynamo.reset()
-        run = torch.compile(model, fullgraph=True)
+    run = transformed(model, backend, (x,))
+    if backend == "compile":
         run(x)  # compiled outside the profile
-    else:
-        run = torch.export.export(model, (x,)).module()
     reference = model(x)
     with torch.profiler.profile() as prof:
         for _ in range(2):

@@ -12,11 +12,21 @@ from torch import nn
 
 import picklehooks
 from picklehooks.diagnostics.jacobian import hutchinson_jacobian_norm, vjp
+from tests.testutils import transformed
 
 
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def one_output_case() -> tuple[nn.Sequential, torch.Tensor, float]:
+    """A model with one output element, an input, and ||J||_F between its layers 0 and 2, from autograd."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(1, 3)
+    h = model[0](x).detach()
+    return model, x, float(torch.autograd.functional.jacobian(lambda t: model[2](model[1](t)), h).norm())
 
 
 def reference_jacobian(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +130,7 @@ class TestHutchinson:
 
     def test_exact_for_one_output(self):
         """With one output element every Rademacher probe gives ||J||^2 exactly: standard error 0."""
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-        x = torch.randn(1, 3)
-        h = model[0](x).detach()
-        exact = float(torch.autograd.functional.jacobian(lambda t: model[2](model[1](t)), h).norm())
+        model, x, exact = one_output_case()
         estimate, stderr = hutchinson_jacobian_norm(model, x, "2", "0", samples=4)
         assert estimate == pytest.approx(exact, rel=1e-6) and stderr == pytest.approx(0, abs=1e-9)
 
@@ -149,7 +155,7 @@ class TestFromLog:
         model, x = make_model(), torch.randn(1, 3, generator=torch.Generator().manual_seed(2))
         exact = float(torch.linalg.matrix_norm(reference_jacobian(model, x)))
         picklehooks.instrument(model, capture=("output",), example_inputs=(x,))
-        run = {"eager": lambda m: m, "fx": torch.fx.symbolic_trace, "script": torch.jit.script}[backend](model)
+        run = transformed(model, backend, (x,))
         with picklehooks.record(keep_graph=True) as log:
             run(x)
         estimate, stderr = log.jacobian_norm("2", "0", samples=256, seed=1)
@@ -161,11 +167,7 @@ class TestFromLog:
         assert log.vjp("2", "0").shape == (1, 4)
 
     def test_exact_for_one_output_scripted(self):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-        x = torch.randn(1, 3)
-        h = model[0](x).detach()
-        exact = float(torch.autograd.functional.jacobian(lambda t: model[2](model[1](t)), h).norm())
+        model, x, exact = one_output_case()
         picklehooks.instrument(model, capture=("output",), example_inputs=(x,))
         with picklehooks.record(keep_graph=True) as log:
             torch.jit.script(model)(x)

@@ -18,7 +18,7 @@ from torch import nn
 import picklehooks
 from picklehooks import audit
 from picklehooks.diagnostics.surgery import clamp_grad, zero_param_grad
-from tests.testutils import run_fresh
+from tests.testutils import run_fresh, transformed
 
 LIMIT = 0.05
 
@@ -220,15 +220,7 @@ def test_surgery_in_every_backend(backend, tmp_path):
         assert run_fresh(SCRIPT_CHILD, str(tmp_path / "model.pt"), str(tmp_path / "expected.pt")).strip() == \
             "scripted surgery ok"
         return
-    if backend == "script":
-        run = torch.jit.script(model)
-    elif backend == "fx":
-        run = torch.fx.symbolic_trace(model)
-    elif backend == "compile":
-        torch._dynamo.reset()
-        run = torch.compile(model, fullgraph=True)
-    else:
-        run = torch.export.export(model, (x,)).module()
+    run = transformed(model, backend, (x,))
     for _ in range(2):  # the second step runs with the zeroing hook attached by the first
         got = {name.removeprefix("_orig_mod."): g for name, g in grads(run, x).items()}
     assert got.keys() == want.keys()

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: running code in a fresh interpreter."""
+"""Helpers shared by the tests: running code in a fresh interpreter, and a model in another backend."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,3 +49,19 @@ def run_without_picklehooks(code: str, *args: str, **kwargs) -> str:
     """Like :func:`run_fresh`, with every import of picklehooks refused; checks it stayed out."""
     epilogue = "\nassert not [m for m in sys.modules if m.split('.')[0] == 'picklehooks'], 'picklehooks leaked in'\n"
     return run_fresh(WITHOUT_PICKLEHOOKS + textwrap.dedent(code) + epilogue, *args, **kwargs)
+
+
+def transformed(model, backend: str, inputs: tuple):
+    """``model`` as ``backend`` runs it in this process: "eager", "script", "fx", "compile" (fullgraph) or "export"."""
+    if backend == "eager":
+        return model
+    if backend == "script":
+        return torch.jit.script(model)
+    if backend == "fx":
+        return torch.fx.symbolic_trace(model)
+    if backend == "compile":
+        torch._dynamo.reset()
+        return torch.compile(model, fullgraph=True)
+    if backend == "export":
+        return torch.export.export(model, tuple(inputs)).module()
+    raise ValueError(f"unknown backend {backend!r}")
