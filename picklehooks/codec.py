@@ -33,11 +33,28 @@ from ._shim import (
     FORMATS,
     MAX_SOURCE_BYTES,
     DecodeError,
+    PicklehooksError,
     decode,
     set_max_source_bytes,
 )
 
-__all__ = ["encode", "decode", "DecodeError", "set_max_source_bytes", "FORMATS", "MAX_SOURCE_BYTES"]
+__all__ = [
+    "encode",
+    "decode",
+    "DecodeError",
+    "SourceTooLargeError",
+    "set_max_source_bytes",
+    "FORMATS",
+    "MAX_SOURCE_BYTES",
+]
+
+
+class SourceTooLargeError(PicklehooksError, ValueError):
+    """The source text is over the size bound that decoders enforce by default.
+
+    It is also a :class:`ValueError`, which is what :func:`encode` raised
+    before this class existed.
+    """
 
 _LEVEL = 19
 
@@ -81,8 +98,12 @@ def encode(source: str, *, format: str = CURRENT_FORMAT) -> str:
         raise ValueError(f"unknown format {format!r}; known formats: {', '.join(sorted(FORMATS))}")
     raw = source.encode("utf-8")
     if len(raw) > MAX_SOURCE_BYTES:
-        raise ValueError(
-            f"source of {len(raw)} bytes is over the {MAX_SOURCE_BYTES}-byte bound that decoders enforce by default"
+        # The bound is the shim's default, not whatever set_max_source_bytes()
+        # chose here: a name must decode in a fresh process that changed nothing.
+        raise SourceTooLargeError(
+            f"source of {len(raw)} bytes (UTF-8) is over the {MAX_SOURCE_BYTES}-byte bound that decoders "
+            f"enforce by default, so its name would not load elsewhere; make the hook smaller (move large "
+            f"constants into a tensor, buffer or file the hook reads instead of baking them into its text)"
         )
     frame = _compressor(format)(raw)
     if not frame.startswith(_ZSTD_MAGIC):  # pragma: no cover - would be a zstd bug
