@@ -11,7 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="save a hooked model and watch its hook fire in another process")
     inspect_cmd = sub.add_parser(
-        "inspect", help="list the hooks in a checkpoint or pickle without loading or executing it"
+        "inspect",
+        help="show every global a checkpoint or pickle would import or call, and its hooks' text, without loading it",
+        epilog="exit status, bits added together: 0 safe and fully read; 1 can't audit the file; "
+        "2 a hook name doesn't decode; 4 something is UNSAFE; 8 some part could not be read completely",
     )
     inspect_cmd.add_argument("file", help="a torch.save checkpoint, torch.package archive or pickle")
     report_cmd = sub.add_parser(

@@ -1,5 +1,9 @@
 """``python -m picklehooks inspect`` and :mod:`picklehooks.audit`: list hooks without loading the file.
 
+A whole pickled model names its own classes (``torch.nn.modules.linear.Linear``
+...), which ``torch.load(weights_only=True)`` refuses, so ``inspect`` marks
+them UNSAFE and exits with bit 4 (``UNSAFE``) set; a state dict exits 0.
+
 Expected hooks are always derived from the model that was saved (its hook
 dicts and the hooks' own names) and from the hook functions' source, never
 from hard-coded names or texts.
@@ -257,16 +261,17 @@ class TestHookKinds:
         assert (foreign.module, foreign.kind, foreign.name) == ("0", "forward", dotted)
         assert foreign.source is None and foreign.error is None
         proc = inspect_cli(path)
-        assert proc.returncode == 0, proc.stderr
+        assert proc.returncode == audit.EXIT_UNSAFE, proc.stderr
         assert f"foreign hook {dotted} (not decodable; loading will import it)" in proc.stdout
+        assert f"  UNSAFE  {dotted} [m/data.pkl]" in proc.stdout.splitlines()
 
 
 class TestCli:
     def test_lists_hooks(self, model, tmp_path):
-        """The command prints a header per hook, then its source indented, and exits 0."""
+        """The command prints a header per hook, then its source indented; the model's classes are UNSAFE."""
         path = save(model, tmp_path / "model.pt", "torch.save")
         proc = inspect_cli(path)
-        assert proc.returncode == 0, proc.stderr
+        assert proc.returncode == audit.EXIT_UNSAFE, proc.stderr
         assert proc.stderr == ""
         out = proc.stdout
         for module, kind, name in model_hooks(model):
@@ -282,28 +287,39 @@ class TestCli:
             assert f"({len(name)} chars)" in proc.stdout
 
     def test_no_hooks(self, tmp_path):
-        """A checkpoint without hooks says so and exits 0."""
-        path = save(nn.Linear(2, 2), tmp_path / "plain.pt", "torch.save")
+        """A state dict without hooks says so, lists only allowlisted globals, and exits 0."""
+        path = save(nn.Linear(2, 2).state_dict(), tmp_path / "plain.pt", "torch.save")
         proc = inspect_cli(path)
         assert (proc.returncode, proc.stderr) == (0, "")
-        assert proc.stdout.strip() == f"no picklehooks hooks found in {path}"
+        assert proc.stdout.splitlines()[0] == f"no picklehooks hooks found in {path}"
+        assert "UNSAFE  " not in proc.stdout
+
+    def test_no_hooks_whole_module(self, tmp_path):
+        """A whole module without hooks says so, and its class is UNSAFE (exit 4)."""
+        path = save(nn.Linear(2, 2), tmp_path / "plain.pt", "torch.save")
+        proc = inspect_cli(path)
+        assert (proc.returncode, proc.stderr) == (audit.EXIT_UNSAFE, "")
+        assert proc.stdout.splitlines()[0] == f"no picklehooks hooks found in {path}"
+        assert "  UNSAFE  torch.nn.modules.linear.Linear (called) [plain/data.pkl]" in proc.stdout.splitlines()
 
     def test_main_return_code(self, model, tmp_path, capsys):
-        """audit.main returns 0 and prints the listing in-process too."""
+        """audit.main returns the same status (UNSAFE: the model's classes) and prints the listing in-process too."""
         path = save(model, tmp_path / "model.pkl", "pickle-2")
-        assert audit.main(str(path)) == 0
+        assert audit.main(str(path)) == audit.EXIT_UNSAFE
         assert f"{len(model_hooks(model))} picklehooks hooks" in capsys.readouterr().out
 
 
 class TestNothingExecutes:
     def test_reduce_payloads_do_not_run(self, model, tmp_path):
-        """Calls the pickle asks for (os.mkdir, exec) never run; the hooks are still listed."""
+        """Calls the pickle asks for (os.mkdir, exec) never run, are reported UNSAFE; the hooks are still listed."""
         made_dir, written = tmp_path / "made-by-mkdir", tmp_path / "written-by-exec"
         payload = {"bomb": _MakesDir(made_dir), "model": model, "exec": _WritesFile(written)}
         path = tmp_path / "trap.pkl"
         path.write_bytes(pickle.dumps(payload))
         proc = inspect_cli(path)
-        assert proc.returncode == 0, proc.stderr
+        assert proc.returncode == audit.EXIT_UNSAFE, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert f"  UNSAFE  {os.mkdir.__module__}.mkdir (called)" in lines and "  UNSAFE  builtins.exec (called)" in lines
         assert not made_dir.exists() and not written.exists()
         assert found(audit.find_hooks(path)) == model_hooks(model, prefix="['model']")
         assert not made_dir.exists() and not written.exists()
@@ -356,7 +372,7 @@ class TestCorruptNames:
 
     @pytest.mark.parametrize("how", ["mutated", "truncated"])
     def test_bad_name_reports_error_and_exits_2(self, tmp_path, how):
-        """A hook name that doesn't decode is reported with decode()'s message, exit code 2."""
+        """A hook name that doesn't decode is reported with decode()'s message, exit status bit 2 set."""
         good = picklehooks.portable(scale_output).__name__
         bad = self.corrupt(good, how)
         model = nn.Sequential(nn.Linear(2, 2))
@@ -378,7 +394,7 @@ class TestCorruptNames:
         assert (entry.module, entry.kind, entry.name) == ("0", "forward", bad)
         assert entry.source is None and entry.error == str(expected.value)
         proc = inspect_cli(path)
-        assert proc.returncode == 2
+        assert proc.returncode == audit.EXIT_UNDECODABLE | audit.EXIT_UNSAFE  # and the model's classes
         assert f"error: {expected.value}" in proc.stdout
         assert "Traceback" not in proc.stderr
 

@@ -62,6 +62,27 @@ from __future__ import annotations
 from ._cli import _printable, _write, main
 from ._hooks import HookEntry
 from ._limits import AuditError
-from ._report import AuditReport, GlobalUse, audit_file, find_hooks
+from ._report import (
+    EXIT_INCOMPLETE,
+    EXIT_UNDECODABLE,
+    EXIT_UNREADABLE,
+    EXIT_UNSAFE,
+    AuditReport,
+    GlobalUse,
+    audit_file,
+    find_hooks,
+)
 
-__all__ = ["AuditError", "AuditReport", "GlobalUse", "HookEntry", "audit_file", "find_hooks", "main"]
+__all__ = [
+    "AuditError",
+    "AuditReport",
+    "GlobalUse",
+    "HookEntry",
+    "audit_file",
+    "find_hooks",
+    "main",
+    "EXIT_UNREADABLE",
+    "EXIT_UNDECODABLE",
+    "EXIT_UNSAFE",
+    "EXIT_INCOMPLETE",
+]
