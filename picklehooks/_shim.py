@@ -41,6 +41,8 @@ import ast
 import base64
 import binascii
 import builtins
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.abc
@@ -176,16 +178,22 @@ def _zstd_dict(letter: str):
     return _stdlib_zstd.ZstdDict(dictionary.encode(), is_raw=True)  # pragma: no cover
 
 
-def _decompress(frame: bytes, letter: str, size: int) -> bytes:
+def _decompress(frame: bytes, letter: str, size: int) -> tuple[bytes, bytes]:
+    """Decompress one frame whose header declared ``size``; return (content, bytes after the frame)."""
     data = _ZSTD_MAGIC + frame
     if _zstandard is not None:
-        return _zstandard.ZstdDecompressor(dict_data=_zstd_dict(letter)).decompress(data, max_output_size=size)
+        decompressor = _zstandard.ZstdDecompressor(dict_data=_zstd_dict(letter))
+        # One-shot first: bounded by the declared size (it fails on more).
+        raw = decompressor.decompress(data, max_output_size=size)
+        stream = decompressor.decompressobj()  # then again, to see where the frame ends
+        stream.decompress(data)
+        return raw, stream.unused_data
     decompressor = _stdlib_zstd.ZstdDecompressor(zstd_dict=_zstd_dict(letter))  # pragma: no cover
-    return decompressor.decompress(data, max_length=size)  # pragma: no cover
+    return decompressor.decompress(data, max_length=size), decompressor.unused_data  # pragma: no cover
 
 
-def _short(name: str) -> str:
-    return name if len(name) <= 24 else name[:20] + "..."
+def _short(name: str, width: int = 24) -> str:
+    return name if len(name) <= width else name[: width - 4] + "..."
 
 
 def decode(name: str, *, max_source_bytes: int | None = None) -> str:
@@ -222,6 +230,10 @@ def decode(name: str, *, max_source_bytes: int | None = None) -> str:
         frame = base64.b32decode(payload.replace("_", "="))
     except (binascii.Error, ValueError) as exc:
         raise DecodeError(f"hook name {_short(name)!r} is not valid base32: {exc}") from None
+    # base32 ignores the unused low bits of a padded last character, so one
+    # frame would have several names (and several function objects).
+    if base64.b32encode(frame).decode("ascii") != payload.replace("_", "="):
+        raise DecodeError(f"hook name {_short(name)!r} is not in canonical base32 (its unused bits are set)")
     size = _frame_content_size(frame, name)
     if size > limit:
         raise DecodeError(
@@ -229,9 +241,11 @@ def decode(name: str, *, max_source_bytes: int | None = None) -> str:
             "raise it with picklehooks.codec.set_max_source_bytes() if you trust this file"
         )
     try:
-        raw = _decompress(frame, letter, size)
+        raw, trailing = _decompress(frame, letter, size)
     except Exception as exc:  # zstd reports corruption with its own error types
         raise DecodeError(f"hook name {_short(name)!r} is corrupt: zstd says {exc}") from None
+    if trailing:
+        raise DecodeError(f"hook name {_short(name)!r} has {len(trailing)} bytes after its zstd frame")
     if len(raw) != size:
         raise DecodeError(f"hook name {_short(name)!r} is corrupt: {len(raw)} bytes decoded, {size} declared")
     try:
@@ -241,9 +255,105 @@ def decode(name: str, *, max_source_bytes: int | None = None) -> str:
 
 
 # --------------------------------------------------------------------------
-# Checking the decoded text: only the shape picklehooks generates may run.
+# Checking the decoded text: it may only import and define.
+#
+# Executing a hook's text runs its module level: its imports, its constant
+# assignments, and the one ``def`` statement, which evaluates the def's
+# defaults and annotations. Each of those could call code: a call, an
+# operator (``__neg__``, ``__or__``), a subscript (``__getitem__``,
+# ``__class_getitem__``), an f-string (``__format__``), an attribute read
+# (a module's ``__getattr__``), an import (the imported module's body). The
+# check below tracks what every name is bound to and allows only what cannot
+# run anything but trusted code; the def's *body* runs later, when the hook is
+# called, exactly like any function the user registers.
 
-_SAFE_CALLS = {("float",), ("torch", "device"), ("torch", "dtype")}
+#: Modules a hook may import in every mode (top-level package names);
+#: ``trust=`` adds more. ``__future__`` is a compiler directive.
+BASE_TRUSTED = ("torch", "typing", "math", "collections", "operator", "picklehooks", "__future__")
+
+# The calls old generated text holds for non-finite floats and devices (see
+# picklehooks.portable), allowed only when the callee provably is the real
+# one: ``float`` can't be rebound (nothing may shadow a builtin) and ``torch``
+# must be bound by a plain ``import torch``.
+_SAFE_CALLS = {("float",): ((str,), 1), ("torch", "device"): ((str, int), 2)}
+# Builtin types whose subscripts make typing aliases (list[int]) and nothing else.
+_SUBSCRIPTABLE_BUILTINS = frozenset({"list", "tuple", "dict", "set", "frozenset", "type"})
+# Modules whose names and attributes may be subscripted or or-ed in annotations.
+_TYPING_ROOTS = frozenset({"typing", "torch"})
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+class _Policy:
+    """Which modules a hook's text may import while it is decoded.
+
+    ``trusted`` holds top-level package names. In the default mode a module
+    that is already imported may be imported again (that runs nothing); under
+    :func:`untrusted` only ``trusted`` modules may.
+    """
+
+    def __init__(self, trusted: tuple[str, ...] | None, allow_loaded: bool) -> None:
+        self.trusted = None if trusted is None else frozenset(trusted)  # None: any module
+        self.allow_loaded = allow_loaded
+
+    def trusts(self, module: str) -> bool:
+        return self.trusted is None or module.partition(".")[0] in self.trusted
+
+    def refusal(self, module: str, names: tuple[str, ...] = ()) -> str | None:
+        """Why importing ``module`` (``from module import names``) is refused, or None."""
+        parts = module.split(".")
+        if any(p == "__main__" for p in [*parts, *names]):
+            return f"{module!r} names a __main__ module, which runs a program when imported"
+        if module == HUB_NAME or (module == HUB_NAME.rpartition(".")[0] and HUB_NAME.rpartition(".")[2] in names):
+            return "it imports the hub itself, which would decode further hooks while this one is decoded"
+        if self.trusts(module):
+            return None
+        if self.allow_loaded:
+            loaded = sys.modules.get(module)
+            if isinstance(loaded, types.ModuleType) and all(
+                n in loaded.__dict__ or f"{module}.{n}" in sys.modules for n in names
+            ):
+                return None  # importing what is already imported runs nothing
+            return (
+                f"{module!r} is not imported yet and is not a trusted package; importing it would run its "
+                f"code. Import it yourself before loading this file if you trust it (import {parts[0]})"
+            )
+        return (
+            f"{parts[0]!r} is not a trusted package here; if you trust it, "
+            f"pass trust=[{parts[0]!r}] (trusted now: {', '.join(sorted(self.trusted))})"
+        )
+
+
+_DEFAULT_POLICY = _Policy(BASE_TRUSTED, allow_loaded=True)
+# Inside a torch.package archive imports go through the archive's importer,
+# which decides what exists (interned, externed or mocked modules): loading an
+# archive runs its code anyway, so only the structural refusals apply there.
+_PACKAGE_POLICY = _Policy(None, allow_loaded=False)
+_policy_var: contextvars.ContextVar[_Policy] = contextvars.ContextVar("picklehooks_decode_policy")
+
+
+@contextlib.contextmanager
+def untrusted(trust: tuple[str, ...] | list[str] = ()):
+    """Decode hooks met in this block as coming from a file nobody vouched for.
+
+    Their text may import only :data:`BASE_TRUSTED` packages and those named
+    in ``trust`` (top-level package names), even if others are already
+    imported. ``picklehooks.safe_globals`` decodes this way.
+    """
+    names = tuple(trust)
+    bad = [t for t in names if not isinstance(t, str) or not t.isidentifier()]
+    if bad:
+        raise PicklehooksError(f"trust= takes top-level package names such as 'mypkg', got {bad[0]!r}")
+    token = _policy_var.set(_Policy(BASE_TRUSTED + names, allow_loaded=False))
+    try:
+        yield
+    finally:
+        _policy_var.reset(token)
+
+
+def _is_literal(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return True
+    return isinstance(node, ast.Tuple) and all(_is_literal(e) for e in node.elts)
 
 
 def _dotted(node: ast.AST) -> tuple[str, ...] | None:
@@ -255,65 +365,195 @@ def _dotted(node: ast.AST) -> tuple[str, ...] | None:
     return None
 
 
-def _is_safe_expr(node: ast.AST | None) -> bool:
-    """True for literals, names, attributes and subscripts (annotations and
-    defaults), and a few constructor calls with literal arguments."""
-    if node is None or isinstance(node, (ast.Constant, ast.Name)):
-        return True
-    if isinstance(node, ast.Attribute):
-        return _is_safe_expr(node.value)
-    if isinstance(node, ast.Subscript):
-        return _is_safe_expr(node.value) and _is_safe_expr(node.slice)
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return all(_is_safe_expr(e) for e in node.elts)
-    if isinstance(node, ast.Dict):
-        return all(_is_safe_expr(k) and _is_safe_expr(v) for k, v in zip(node.keys, node.values))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        return _is_safe_expr(node.operand)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # `X | None` annotations
-        return _is_safe_expr(node.left) and _is_safe_expr(node.right)
-    if isinstance(node, ast.Call):
-        return (
-            _dotted(node.func) in _SAFE_CALLS
-            and not node.keywords
-            and all(isinstance(a, ast.Constant) for a in node.args)
-        )
-    return False
+class _Checker:
+    """Checks one hook's text; see the comment above for what may run."""
 
+    def __init__(self, tree: ast.Module, name: str, policy: _Policy) -> None:
+        self.tree, self.name, self.policy = tree, name, policy
+        self.modules: set[str] = set()  # every module path the text imports
+        # name -> ("import", module bound) | ("from", module, attr) | ("const",) | ("def",)
+        self.bindings: dict[str, tuple] = {}
+        self.imports: list[tuple[str, tuple[str, ...]]] = []  # (module, names) run at decode time
 
-def _check_shape(tree: ast.Module, name: str) -> str:
-    """Check that ``tree`` is imports, constants and one ``def``; return the def's name."""
-    defs = []
-    for stmt in tree.body:
-        if isinstance(stmt, ast.FunctionDef):
-            args = stmt.args
-            annotated = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
-            evaluated = [a.annotation for a in annotated if a is not None]
-            evaluated += [*args.defaults, *args.kw_defaults, stmt.returns]
-            if stmt.decorator_list or not all(_is_safe_expr(e) for e in evaluated):
-                raise DecodeError(f"hook {_short(name)!r}: its def has decorators or computed defaults/annotations")
-            defs.append(stmt.name)
-        elif isinstance(stmt, ast.Import) or (
-            isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and all(a.name != "*" for a in stmt.names)
-        ):
-            continue
-        elif (
-            isinstance(stmt, ast.Assign)
-            and len(stmt.targets) == 1
-            and isinstance(stmt.targets[0], ast.Name)
-            and _is_safe_expr(stmt.value)
-        ):
-            continue
-        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
-            continue  # a docstring or comment-like string
+    def refuse(self, node: ast.AST | None, why: str) -> DecodeError:
+        line = f" (line {node.lineno})" if node is not None and hasattr(node, "lineno") else ""
+        return DecodeError(f"hook {_short(self.name)!r} refused{line}: {why}")
+
+    def bind(self, node: ast.AST, name: str, binding: tuple) -> None:
+        if name.startswith("__") or name in _BUILTIN_NAMES:
+            raise self.refuse(node, f"it binds {name!r}, which would shadow a builtin or module attribute")
+        old = self.bindings.get(name)
+        # ``import torch`` and ``import torch.nn`` both bind ``torch`` to the same module.
+        if old is not None and not (old == binding and binding[0] == "import"):
+            raise self.refuse(node, f"it binds {name!r} twice; each name may be bound once")
+        self.bindings[name] = binding
+
+    def check(self) -> str:
+        """Return the def's name, or raise :class:`DecodeError` naming what was refused."""
+        defs = []
+        for stmt in self.tree.body:
+            if isinstance(stmt, ast.Import):
+                for alias in stmt.names:
+                    self.imports.append((alias.name, ()))
+                    parts = alias.name.split(".")
+                    self.modules |= {".".join(parts[: i + 1]) for i in range(len(parts))}
+                    if alias.asname:
+                        self.bind(stmt, alias.asname, ("import", alias.name))
+                    else:
+                        root = alias.name.partition(".")[0]
+                        self.bind(stmt, root, ("import", root))
+            elif isinstance(stmt, ast.ImportFrom):
+                if stmt.level or not stmt.module or any(a.name == "*" for a in stmt.names):
+                    raise self.refuse(stmt, "only absolute imports of named objects are allowed")
+                self.imports.append((stmt.module, tuple(a.name for a in stmt.names)))
+                for alias in stmt.names:
+                    if stmt.module != "__future__":
+                        self.bind(stmt, alias.asname or alias.name, ("from", stmt.module, alias.name))
+            elif isinstance(stmt, ast.Assign):
+                if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
+                    raise self.refuse(stmt, "an assignment may only bind one plain name")
+                self.expr(stmt.value)
+                self.bind(stmt, stmt.targets[0].id, ("const",))
+            elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                continue  # a docstring
+            elif isinstance(stmt, ast.FunctionDef):
+                self.function(stmt)
+                defs.append(stmt)
+            else:
+                raise self.refuse(
+                    stmt,
+                    f"it holds a {type(stmt).__name__} statement; hook text may only hold imports, "
+                    "literal constants and one def",
+                )
+        if len(defs) != 1:
+            raise DecodeError(f"hook {_short(self.name)!r} decodes to {len(defs)} function definitions, not exactly one")
+        return defs[0].name
+
+    def function(self, fn: ast.FunctionDef) -> None:
+        if fn.decorator_list:
+            raise self.refuse(fn, "its def has decorators, which would run when it is defined")
+        if getattr(fn, "type_params", None):
+            raise self.refuse(fn, "its def has type parameters")
+        args = fn.args
+        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+            if arg is not None and arg.annotation is not None:
+                self.expr(arg.annotation)
+        for default in [*args.defaults, *args.kw_defaults]:
+            if default is not None:
+                self.expr(default)
+        if fn.returns is not None:
+            self.expr(fn.returns)
+        self.bind(fn, fn.name, ("def",))
+
+    def expr(self, node: ast.AST) -> None:
+        """Check an expression evaluated while the text runs (constant, default, annotation)."""
+        if isinstance(node, ast.Constant):
+            return
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                self.expr(elt)
+        elif isinstance(node, (ast.Set, ast.Dict)):
+            # Building a set or dict hashes its items, which calls their __hash__.
+            hashed = node.elts if isinstance(node, ast.Set) else node.keys
+            if not all(k is not None and _is_literal(k) for k in hashed):
+                raise self.refuse(node, "set items and dict keys must be literals (hashing runs code)")
+            if isinstance(node, ast.Dict):
+                for value in node.values:
+                    self.expr(value)
+        elif isinstance(node, ast.UnaryOp):
+            if not (
+                isinstance(node.op, (ast.USub, ast.UAdd))
+                and isinstance(node.operand, ast.Constant)
+                and type(node.operand.value) in (int, float, complex)
+            ):
+                raise self.refuse(node, "a unary operator may only apply to a number literal")
+        elif isinstance(node, ast.Name):
+            if node.id not in self.bindings and node.id not in _BUILTIN_NAMES:
+                raise self.refuse(node, f"it uses {node.id!r} before binding it")
+        elif isinstance(node, ast.Attribute):
+            self.attribute(node)
+        elif isinstance(node, ast.Subscript):
+            self.typing_name(node.value, "subscript")
+            self.expr(node.slice)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # `X | None` annotations
+            for side in (node.left, node.right):
+                if not (isinstance(side, ast.Constant) and side.value is None):
+                    self.typing_name(side.value if isinstance(side, ast.Subscript) else side, "'|'")
+                    self.expr(side)
+        elif isinstance(node, ast.Call):
+            self.call(node)
         else:
-            raise DecodeError(
-                f"hook {_short(name)!r} decodes to a {type(stmt).__name__} statement at line {stmt.lineno}; "
-                "hook text may only hold imports, constant assignments and one def"
+            raise self.refuse(
+                node, f"a {type(node).__name__} expression would run code while the hook is defined"
             )
-    if len(defs) != 1:
-        raise DecodeError(f"hook {_short(name)!r} decodes to {len(defs)} function definitions, not exactly one")
-    return defs[0]
+
+    def attribute(self, node: ast.Attribute) -> None:
+        """An attribute chain must start at an imported module and avoid dunders.
+
+        Reading an attribute of a module runs at most that module's
+        ``__getattr__``; reading one of an arbitrary object runs its class's
+        code. So beyond the modules the text imports, a chain may take one more
+        step, unless the package is trusted (``torch.nn.Module``).
+        """
+        path = _dotted(node)
+        if path is None:
+            raise self.refuse(node, "an attribute may only be read from an imported name")
+        shown = ".".join(path)
+        if any(p.startswith("__") for p in path[1:]):
+            raise self.refuse(node, f"it reads the special attribute {shown!r}")
+        binding = self.bindings.get(path[0])
+        if binding is None or binding[0] != "import":
+            raise self.refuse(node, f"it reads {shown!r}, but {path[0]!r} is not bound by an 'import' statement")
+        module = binding[1]
+        if self.policy.trusts(module):
+            return
+        steps = list(path[1:])
+        while steps and f"{module}.{steps[0]}" in self.modules:
+            module = f"{module}.{steps.pop(0)}"
+        if len(steps) > 1:
+            raise self.refuse(node, f"it reads {shown!r}, through an object of the untrusted package {module!r}")
+
+    def _module_of(self, node: ast.AST) -> str | None:
+        """The imported module a Name/Attribute chain starts from, or None."""
+        path = _dotted(node)
+        if path is None:
+            return None
+        binding = self.bindings.get(path[0])
+        if binding is None or binding[0] not in ("import", "from"):
+            return None
+        return binding[1]
+
+    def typing_name(self, node: ast.AST, what: str) -> None:
+        """``node`` is about to be subscripted or or-ed: it must be a typing, torch or builtin type name."""
+        if isinstance(node, ast.Name) and node.id in _SUBSCRIPTABLE_BUILTINS and node.id not in self.bindings:
+            return
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            module = self._module_of(node)
+            if module is not None and module.partition(".")[0] in _TYPING_ROOTS:
+                if isinstance(node, ast.Attribute):
+                    self.attribute(node)
+                return
+        shown = ast.unparse(node) if isinstance(node, ast.AST) else repr(node)
+        raise self.refuse(
+            node, f"{what} on {shown[:60]!r}: only typing, torch and builtin type names may be subscripted or or-ed"
+        )
+
+    def call(self, node: ast.Call) -> None:
+        path = _dotted(node.func)
+        allowed, most = _SAFE_CALLS.get(path, ((), 0)) if path is not None else ((), 0)
+        genuine = path == ("float",) or self.bindings.get("torch") == ("import", "torch")
+        if (
+            not genuine
+            or node.keywords
+            or not 1 <= len(node.args) <= most
+            or not all(isinstance(a, ast.Constant) and type(a.value) in allowed for a in node.args)
+        ):
+            shown = ast.unparse(node)
+            raise self.refuse(
+                node,
+                f"it calls {shown[:60]!r} while being defined; constants, defaults and annotations must "
+                "be literals or names (write math.inf / math.nan / torch.float32, not calls)",
+            )
 
 
 # --------------------------------------------------------------------------
@@ -330,9 +570,10 @@ class _HubLoader(importlib.abc.Loader):
     so their ``linecache`` entries never collide.
     """
 
-    def __init__(self, module_name: str, filename: str) -> None:
+    def __init__(self, module_name: str, filename: str, policy: _Policy | None = None) -> None:
         self.module_name = module_name
         self.filename = filename
+        self.policy = policy  # None: the caller's (default, or untrusted() inside that block)
         self._lines: list[str] = ["# Hooks that picklehooks decoded from function names, in decoding order.\n"]
         self._lock = threading.RLock()
         self._namespace: dict | None = None
@@ -367,51 +608,101 @@ class _HubLoader(importlib.abc.Loader):
         return self.resolve(name)
 
     def resolve(self, name: str) -> types.FunctionType:
-        """Return the hook that ``name`` encodes, decoding it at most once."""
-        namespace = self._namespace
-        with self._lock:  # concurrent first lookups must agree on one object
-            cached = namespace.get(name)
-            if cached is not None:
-                return cached
-            fn = self._define(name, decode(name))
-            namespace[name] = fn
-            return fn
+        """Return the hook that ``name`` encodes, decoding it at most once per winner.
 
-    def _define(self, name: str, source: str) -> types.FunctionType:
+        Nothing raises out of here but :class:`DecodeError`, so ``hasattr``
+        and pickle see a missing attribute whatever the text does. The lock is
+        held only to publish: a hook's imports may import a module that
+        resolves another hook at import time, in this thread or another one.
+        Two threads racing on a first lookup may both define the hook; the
+        first to publish wins and both return its object.
+        """
+        namespace = self._namespace
+        cached = namespace.get(name)
+        if cached is not None:
+            return cached
+        try:
+            fn, hook_module = self._define(name)
+        except DecodeError:
+            raise
+        except (Exception, SystemExit) as exc:  # an import or a default that failed at run time
+            raise DecodeError(
+                f"hook {_short(name)!r} failed while being defined: {type(exc).__name__}: {_short(str(exc), 200)}"
+            ) from None
+        with self._lock:
+            winner = namespace.setdefault(name, fn)
+            if winner is fn:
+                # torch.compile guards a global by importing f_globals["__name__"].
+                sys.modules[hook_module.__name__] = hook_module
+        return winner
+
+    def _define(self, name: str) -> tuple[types.FunctionType, types.ModuleType]:
+        source = decode(name)
+        _charge(len(source), name)
         try:
             tree = ast.parse(source, self.filename)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
             raise DecodeError(f"hook {_short(name)!r} decodes to text that is not Python: {exc}") from None
-        def_name = _check_shape(tree, name)
+        policy = self.policy if self.policy is not None else _policy_var.get(_DEFAULT_POLICY)
+        checker = _Checker(tree, name, policy)
+        def_name = checker.check()
+        for module, names in checker.imports:
+            why = policy.refusal(module, names)
+            if why is not None:
+                raise DecodeError(f"hook {_short(name)!r} refused: it imports {module!r} while being defined: {why}")
         if not source.endswith("\n"):
             source += "\n"
-        ast.increment_lineno(tree, len(self._lines))
-        code = compile(tree, self.filename, "exec", dont_inherit=True)
-        # Each hook gets its own globals (hooks' constants must not collide),
-        # which are the dict of a real module named "<hub>.<name>": torch.compile
-        # guards a global by importing f_globals["__name__"] and reading it there.
-        hook_module = types.ModuleType(f"{self.module_name}.{name}")
-        namespace = hook_module.__dict__
-        namespace.update(
-            __file__=self.filename,
-            __loader__=self,
-            __spec__=None,  # so linecache asks __loader__, which is this object
-            # Inside a torch.package archive these are the archive's builtins, so
-            # the hook's imports resolve through the archive like any packaged code.
-            __builtins__=self._namespace.get("__builtins__", builtins),
-        )
-        exec(code, namespace)
-        sys.modules.setdefault(hook_module.__name__, hook_module)
+        lines = source.splitlines(keepends=True) + ["\n"]
+        with self._lock:  # reserve this hook's lines, so that its line numbers stay its own
+            offset = len(self._lines)
+            self._lines.extend(lines)
+        try:
+            ast.increment_lineno(tree, offset)
+            code = compile(tree, self.filename, "exec", dont_inherit=True)
+            # Each hook gets its own globals (hooks' constants must not collide),
+            # which are the dict of a real module named "<hub>.<name>".
+            hook_module = types.ModuleType(f"{self.module_name}.{name}")
+            namespace = hook_module.__dict__
+            namespace.update(
+                __file__=self.filename,
+                __loader__=self,
+                __spec__=None,  # so linecache asks __loader__, which is this object
+                # Inside a torch.package archive these are the archive's builtins, so
+                # the hook's imports resolve through the archive like any packaged code.
+                __builtins__=self._namespace.get("__builtins__", builtins),
+            )
+            exec(code, namespace)
+        except BaseException:
+            with self._lock:  # keep later hooks' offsets; blank the failed text
+                self._lines[offset : offset + len(lines)] = ["\n"] * len(lines)
+            raise
         fn = namespace[def_name]
         fn.__name__ = fn.__qualname__ = name
         fn.__module__ = self.module_name
         fn.__reduce_package__ = functools.partial(_reduce_package, name)
-        self._lines.extend(source.splitlines(keepends=True))
-        self._lines.append("\n")
         # Refresh linecache: drop a realised (now stale) entry, leave a lazy one.
         linecache.cache.pop(self.filename, None)
         linecache.lazycache(self.filename, namespace)
-        return fn
+        return fn, hook_module
+
+
+#: Default bound on the text one process decodes, over all hook names.
+MAX_TOTAL_SOURCE_BYTES = 64 << 20
+_total_lock = threading.Lock()
+_total_decoded = 0
+
+
+def _charge(nbytes: int, name: str) -> None:
+    """Count decoded text against :data:`MAX_TOTAL_SOURCE_BYTES` (a file can't make us decode forever)."""
+    global _total_decoded
+    with _total_lock:
+        if _total_decoded + nbytes > MAX_TOTAL_SOURCE_BYTES:
+            raise DecodeError(
+                f"hook {_short(name)!r} refused: this process already decoded {_total_decoded} bytes of hook "
+                f"text, and {nbytes} more would pass the bound of {MAX_TOTAL_SOURCE_BYTES}; a file holding "
+                "that many hooks is not one picklehooks wrote"
+            )
+        _total_decoded += nbytes
 
 
 class _HubFinder(importlib.abc.MetaPathFinder):
@@ -461,7 +752,7 @@ _make_package_hub(globals())
 def _make_package_hub(namespace: dict) -> None:
     """Turn an archive's ``picklehooks._hub`` into a hub with its own loader and file name."""
     name = namespace["__name__"]  # mangled per importer, e.g. "<torch_package_0>.picklehooks._hub"
-    _HubLoader(name, f"<picklehooks-generated>/{name}.py").bind(namespace)
+    _HubLoader(name, f"<picklehooks-generated>/{name}.py", _PACKAGE_POLICY).bind(namespace)
 
 
 def prepare_exporter(exporter) -> None:
@@ -477,14 +768,14 @@ def prepare_exporter(exporter) -> None:
 
 
 def _hook_imports(source: str) -> list[str]:
-    tree = ast.parse(source)
+    """Every module a hook's text imports: at module level, and inside its body (run when called)."""
     names = []
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Import):
-            names += [a.name for a in stmt.names]
-        elif isinstance(stmt, ast.ImportFrom):
-            names.append(stmt.module)
-    return names
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            names.append(node.module)
+    return list(dict.fromkeys(names))
 
 
 _PACKAGE = SHIM_NAME.rpartition(".")[0]
@@ -534,7 +825,7 @@ def _reduce_package(name: str, exporter) -> tuple:
         exporter.add_dependency(module)
         node = exporter.dependency_graph.nodes.get(module, {})
         if node.get("error") is not None:
-            def_name = _check_shape(ast.parse(source), name)
+            def_name = _Checker(ast.parse(source), name, _PACKAGE_POLICY).check()
             raise PicklehooksError(
                 f"hook {def_name!r} imports {module!r}, which this PackageExporter has no rule for "
                 f"({node['error'].value}); declare it first, e.g. exporter.extern({module!r}) or "
