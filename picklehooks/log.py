@@ -26,14 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
-import math
 import os
 from typing import Any, Iterator
 
 import torch
 
-from . import _state
+from . import _logfile, _state
 from ._jacobian import hutchinson
 from ._ops import STATS, TENSOR
 from ._stats import EMPTY, PAD, STAT_NAMES, finish, matrix_stats
@@ -373,44 +371,18 @@ class Log:
 
     # -- files ----------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
-        """Write ``records.json`` (and ``tensors.safetensors`` if tensors were kept) into directory ``path``."""
-        os.makedirs(path, exist_ok=True)
-        # Cloned: safetensors refuses tensors that share memory, as one value recorded twice does.
-        tensors = {str(i): r.tensor.detach().cpu().clone().contiguous() for i, r in enumerate(self.records)
-                   if r.tensor is not None}
-        if tensors:
-            try:
-                from safetensors.torch import save_file
-            except ImportError:
-                raise PicklehooksError(
-                    "saving recorded tensors needs safetensors: pip install 'picklehooks[log]' "
-                    "(or record with mode='stats')") from None
-            save_file(tensors, os.path.join(path, "tensors.safetensors"))
-        rows = [{k: _json_float(v) for k, v in row.items()} for row in self.table()]
-        document = {"format": "picklehooks-log", "version": 1, "step": self.step, "stat_names": list(STAT_NAMES),
-                    "records": rows}
-        with open(os.path.join(path, "records.json"), "w") as f:
-            json.dump(document, f, indent=1, allow_nan=False)
+        """Write ``records.json`` (and ``tensors.safetensors`` if tensors were kept) into directory ``path``.
+
+        A log already there is replaced completely; a directory holding anything else is refused.
+        """
+        tensors = {i: r.tensor for i, r in enumerate(self.records) if r.tensor is not None}
+        _logfile.save(path, self.table(), tensors, self.step)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Log:
-        """Read a log written by :meth:`save`."""
-        try:
-            with open(os.path.join(path, "records.json")) as f:
-                document = json.load(f)
-        except FileNotFoundError:
-            raise PicklehooksError(f"{os.fspath(path)!r} holds no records.json; is it a directory Log.save() wrote?") from None
-        if document.get("format") != "picklehooks-log":
-            raise PicklehooksError(f"{os.fspath(path)!r}: records.json is not a picklehooks log")
-        tensors = {}
-        tensor_file = os.path.join(path, "tensors.safetensors")
-        if os.path.exists(tensor_file):
-            from safetensors.torch import load_file
-
-            tensors = load_file(tensor_file)
-        rows = [{k: _from_json_float(v) if k in STAT_NAMES else v for k, v in row.items()}
-                for row in document["records"]]
-        return cls.from_rows(rows, [tensors.get(str(i)) for i in range(len(rows))], step=document["step"])
+        """Read a log written by :meth:`save`, checking its records against its tensors."""
+        rows, tensors, step = _logfile.load(path)
+        return cls.from_rows(rows, tensors, step=step)
 
     @classmethod
     def from_rows(cls, rows: list[dict], tensors: list[torch.Tensor | None] | None = None, *, step: int = 0) -> Log:
@@ -425,20 +397,6 @@ class Log:
                 rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
             log.records.append(rec)
         return log
-
-
-# Strict JSON has no NaN or Infinity; they are written as these strings.
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _json_float(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return value
-
-
-def _from_json_float(value):
-    return _NONFINITE.get(value, value) if isinstance(value, str) else value
 
 
 @contextlib.contextmanager
