@@ -27,7 +27,7 @@ import struct
 from typing import Any
 
 from .._shim import HUB_NAME
-from ._limits import MAX_OPCODES, Limits, exceeded, show
+from ._limits import MAX_OPCODES, AuditError, Limits, exceeded, show
 from ._values import Global, Node, Obj, PDict, Placeholder, PSet
 
 _HIGHEST_PROTOCOL = 5  # a real load refuses higher
@@ -148,6 +148,8 @@ class Machine:
                     raise Malformed(f"byte {pos} holds {bytes([code])!r}, which is no pickle opcode")
                 if handler():
                     break
+        except AuditError:  # a bound: the whole audit stops
+            raise
         except Malformed as exc:
             self.limits.opcodes_left -= count
             raise Malformed(str(exc), self._parsed(None, pos)) from None

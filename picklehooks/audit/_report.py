@@ -131,6 +131,7 @@ class _Decoder:
         self.limits, self.problems = limits, problems
         self.cache: dict[str, tuple[str | None, str | None]] = {}
         self.used = 0
+        self.bound_hit = False
 
     def __call__(self, name: str) -> tuple[str | None, str | None]:
         if name not in self.cache:
@@ -145,7 +146,8 @@ class _Decoder:
                 raise DecodeError("not decoded: the bound on decoded hook text is used up")
             source = decode(name, max_source_bytes=limit)
         except DecodeError as exc:
-            if limit < MAX_SOURCE_BYTES and not any("decoded hook text" in p for p in self.problems):
+            if limit < MAX_SOURCE_BYTES and not self.bound_hit:
+                self.bound_hit = True
                 self.problems.append(
                     f"could not read every hook: their decoded text exceeds {self.limits.decoded_bytes} bytes, "
                     f"the bound for a {self.limits.file_size}-byte file; treat as unsafe"
