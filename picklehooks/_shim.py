@@ -27,12 +27,20 @@ Limits:
 
 * Decoding is bounded: a name's declared and actual decompressed size may not
   exceed :data:`MAX_SOURCE_BYTES` (1 MiB unless changed with
-  :func:`set_max_source_bytes`), and the decoded text must have the shape
-  picklehooks generates (imports, constant assignments, exactly one
-  undecorated ``def``), so executing it can only define the function.
-* Executing a hook's text imports the modules it names. Loading a pickle runs
-  code; so does resolving a hook name. Only load files you trust, and audit
-  them first with ``python -m picklehooks inspect FILE``.
+  :func:`set_max_source_bytes`), one process decodes at most
+  :data:`MAX_TOTAL_SOURCE_BYTES` in all, and a name must be the canonical
+  base32 of exactly one zstd frame (so one text has one name).
+* Executing a hook's text can only import and define: :class:`_Checker`
+  tracks every binding and refuses calls, operators, subscripts and attribute
+  reads that could run code while the ``def`` is evaluated. Its imports follow
+  a policy: :data:`BASE_TRUSTED` packages or modules already imported (by
+  default), :data:`BASE_TRUSTED` and ``trust=`` only (inside
+  :func:`untrusted`); never ``__main__`` modules or the hub itself. Importing
+  a module still runs that module's code, and the hook's *body* runs when the
+  hook is called. Loading a pickle runs whatever else the pickle says; audit
+  files with ``python -m picklehooks inspect FILE``.
+* Inside a torch.package archive the hook's imports go through the archive's
+  importer (the archive is code anyway); only the text checks apply there.
 """
 
 from __future__ import annotations
