@@ -630,7 +630,7 @@ class _HubLoader(importlib.abc.Loader):
         if cached is not None:
             return cached
         try:
-            fn, hook_module = self._define(name)
+            fn, hook_module, lines = self._define(name)
         except DecodeError:
             raise
         except (Exception, SystemExit) as exc:  # an import or a default that failed at run time
@@ -642,9 +642,15 @@ class _HubLoader(importlib.abc.Loader):
             if winner is fn:
                 # torch.compile guards a global by importing f_globals["__name__"].
                 sys.modules[hook_module.__name__] = hook_module
+            else:  # the hub's text shows each hook once
+                self._blank(*lines)
         return winner
 
-    def _define(self, name: str) -> tuple[types.FunctionType, types.ModuleType]:
+    def _blank(self, offset: int, count: int) -> None:
+        """Replace reserved lines by empty ones (under the lock), keeping later hooks' line numbers."""
+        self._lines[offset : offset + count] = ["\n"] * count
+
+    def _define(self, name: str) -> tuple[types.FunctionType, types.ModuleType, tuple[int, int]]:
         source = decode(name)
         _charge(len(source), name)
         try:
@@ -681,8 +687,8 @@ class _HubLoader(importlib.abc.Loader):
             )
             exec(code, namespace)
         except BaseException:
-            with self._lock:  # keep later hooks' offsets; blank the failed text
-                self._lines[offset : offset + len(lines)] = ["\n"] * len(lines)
+            with self._lock:
+                self._blank(offset, len(lines))
             raise
         fn = namespace[def_name]
         fn.__name__ = fn.__qualname__ = name
@@ -691,7 +697,7 @@ class _HubLoader(importlib.abc.Loader):
         # Refresh linecache: drop a realised (now stale) entry, leave a lazy one.
         linecache.cache.pop(self.filename, None)
         linecache.lazycache(self.filename, namespace)
-        return fn, hook_module
+        return fn, hook_module, (offset, len(lines))
 
 
 #: Default bound on the text one process decodes, over all hook names.
