@@ -24,6 +24,7 @@ hook that works everywhere except TorchScript.
 
 from __future__ import annotations
 
+import keyword
 import typing
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 # The typed body must name paths exactly as the run-time body does.
 from ._hookrt import _join
-from ._ops import GUARD, PARAM_GRAD
+from ._ops import COUNTED, GRAD, GUARD, PARAM_GRAD, VALUE
 
 #: Flags that keep a hook from skipping its work while nothing records.
 ALWAYS = GUARD
@@ -108,6 +109,13 @@ def annotation(shape: Shape) -> str:
     return f"Dict[str, {annotation(shape[1])}]"
 
 
+def _attribute(name: str) -> str:
+    """``module.<name>``, or ``getattr(module, '<name>')`` for a name that is no identifier (a ParameterList's "0")."""
+    if name.isidentifier() and not keyword.iskeyword(name):
+        return f"module.{name}"
+    return f"getattr(module, {name!r})"
+
+
 class _Emitter:
     """Writes the typed (TorchScript) body that taps every tensor in a value."""
 
@@ -120,15 +128,33 @@ class _Emitter:
         self.count += 1
         return f"v{self.count}"
 
-    def tap_expr(self, expr: str, path_expr: str) -> str:
-        return f"torch.ops.picklehooks.tap({expr}, name, {self.kind!r}, {path_expr}, {self.flags})"
+    @property
+    def carries_grad(self) -> bool:
+        """Whether tensors must go through the ``tap`` op (so the model gets its copies)."""
+        return bool(self.flags & (GRAD | GUARD))
+
+    def tap_expr(self, expr: str, path_expr: str, indent: str) -> str:
+        """Append the ``record`` statement for ``expr``; return what the model gets in its place.
+
+        As :func:`picklehooks._hookrt._traced_tap`: ``expr`` itself unless a gradient is wanted.
+        """
+        flags = self.flags
+        if flags & VALUE:
+            self.lines.append(f"{indent}torch.ops.picklehooks.record({expr}, name, {self.kind!r}, {path_expr}, {flags})")
+            flags = (flags & ~VALUE) | COUNTED
+        if not self.carries_grad:
+            return expr
+        return f"torch.ops.picklehooks.tap({expr}, name, {self.kind!r}, {path_expr}, {flags})"
 
     def emit(self, shape: Shape, expr: str, path: str, indent: str) -> str:
-        """Append lines computing the tapped ``expr``; return the variable (or expression) holding it."""
+        """Append lines tapping ``expr``; return the variable (or expression) holding what the model gets."""
         tag = shape[0]
         if tag == "T":
+            tapped = self.tap_expr(expr, repr(path), indent)
+            if tapped == expr:
+                return expr
             v = self.var()
-            self.lines.append(f"{indent}{v} = {self.tap_expr(expr, repr(path))}")
+            self.lines.append(f"{indent}{v} = {tapped}")
             return v
         if tag == "O":
             v = self.var()
@@ -144,13 +170,17 @@ class _Emitter:
             v, item = self.var(), self.var()
             prefix = repr(path + "/") if path else "''"
             if tag == "L":
-                self.lines.append(f"{indent}{v} = torch.jit.annotate(List[torch.Tensor], [])")
-                self.lines.append(f"{indent}for {item} in range(len({expr})):")
-                self.lines.append(f"{indent}    {v}.append({self.tap_expr(f'{expr}[{item}]', f'{prefix} + str({item})')})")
+                container, loop, key = "List[torch.Tensor], []", f"range(len({expr}))", f"str({item})"
             else:
-                self.lines.append(f"{indent}{v} = torch.jit.annotate(Dict[str, torch.Tensor], {{}})")
-                self.lines.append(f"{indent}for {item} in {expr}.keys():")
-                self.lines.append(f"{indent}    {v}[{item}] = {self.tap_expr(f'{expr}[{item}]', f'{prefix} + {item}')}")
+                container, loop, key = "Dict[str, torch.Tensor], {}", f"{expr}.keys()", item
+            if self.carries_grad:
+                self.lines.append(f"{indent}{v} = torch.jit.annotate({container})")
+            self.lines.append(f"{indent}for {item} in {loop}:")
+            tapped = self.tap_expr(f"{expr}[{item}]", f"{prefix} + {key}", indent + "    ")
+            if not self.carries_grad:
+                return expr
+            store = f"{v}.append({tapped})" if tag == "L" else f"{v}[{item}] = {tapped}"
+            self.lines.append(f"{indent}    {store}")
             return v
         return expr  # scalars, None and what we can't unpack pass through
 
@@ -171,30 +201,17 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     em = _Emitter("input", flags)
     body = ["    name = module._picklehooks_name"]
     values = [f"inputs[{i}]" for i in range(len(inputs))]
-    first = next((i for i, s in enumerate(inputs) if s == ("T",)), None)
-    if first is not None:
-        for kind, names in (("param", params), ("buffer", buffers)):
-            if names:
-                # Detached, so recording a parameter never makes the input require grad.
-                refs = []
-                for n in names:
-                    ref = em.var()
-                    em.lines += [f"    {ref} = module.{n}", f"    if {ref} is not None:",
-                                 f"        {ref} = {ref}.detach()"]
-                    refs.append(ref)
-                v = em.var()
-                # Annotated: TorchScript types e.g. Conv2d.bias as Tensor?, and lists are invariant.
-                refs = f"torch.jit.annotate(List[Optional[torch.Tensor]], [{', '.join(refs)}])"
-                em.lines.append(f"    {v} = torch.ops.picklehooks.tap_state({values[first]}, {refs}, name, "
-                                f"{kind!r}, {','.join(names)!r}, {state_flags})")
-                values[first] = v
-        if state_flags & PARAM_GRAD and params:
-            # Not detached: the op's kernel attaches gradient hooks to the parameters themselves.
-            v, refs = em.var(), ", ".join(f"module.{n}" for n in params)
-            em.lines.append(f"    {v} = torch.ops.picklehooks.watch_grads({values[first]}, "
-                            f"torch.jit.annotate(List[Optional[torch.Tensor]], [{refs}]), name, "
-                            f"{','.join(params)!r}, {state_flags})")
-            values[first] = v
+    for kind, names in (("param", params), ("buffer", buffers)):
+        if names and state_flags & VALUE:
+            # Annotated: TorchScript types e.g. Conv2d.bias as Tensor?, and lists are invariant.
+            refs = f"torch.jit.annotate(List[Optional[torch.Tensor]], [{', '.join(_attribute(n) for n in names)}])"
+            em.lines.append(f"    torch.ops.picklehooks.record_state({refs}, name, {kind!r}, {','.join(names)!r}, "
+                            f"{state_flags})")
+    if state_flags & PARAM_GRAD and params:
+        # The op's kernel attaches gradient hooks to the parameters themselves.
+        refs = ", ".join(_attribute(n) for n in params)
+        em.lines.append(f"    torch.ops.picklehooks.watch(torch.jit.annotate(List[Optional[torch.Tensor]], [{refs}]), "
+                        f"name, {','.join(params)!r}, {state_flags})")
     if flags:
         values = [em.emit(s, values[i], str(i), "    ") for i, s in enumerate(inputs)]
     ret = "(" + "".join(v + ", " for v in values) + ")"

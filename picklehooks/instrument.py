@@ -25,8 +25,10 @@ Limits:
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import inspect
+import textwrap
 import typing
 from typing import Any, Iterable, Sequence
 
@@ -120,6 +122,10 @@ def _observe(model: nn.Module, chosen: dict[str, nn.Module], args: Sequence, kwa
     seen: dict[str, tuple] = {}
     handles = []
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    # With grad enabled (a forward may take an inner gradient step with
+    # torch.autograd.grad); a forward that calls backward() itself would
+    # accumulate into .grad, so every parameter's .grad is put back as it was.
+    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
     devices = sorted({b.device.index for b in [*model.parameters(), *model.buffers()]
                       if b.device.type == "cuda"} - {None})
     try:
@@ -128,7 +134,7 @@ def _observe(model: nn.Module, chosen: dict[str, nn.Module], args: Sequence, kwa
                 seen.setdefault(name, (inputs, output))
 
             handles.append(module.register_forward_hook(note))
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             try:
                 model(*args, **kwargs)
             except Exception as exc:
@@ -143,7 +149,22 @@ def _observe(model: nn.Module, chosen: dict[str, nn.Module], args: Sequence, kwa
             for name, b in model.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-    return seen
+            for p, grad, saved in grads:
+                if grad is not None:
+                    grad.copy_(saved)
+                p.grad = grad
+    # Only the structure is kept: no autograd graph outlives the example forward.
+    return {name: _detached((inputs, output)) for name, (inputs, output) in seen.items()}
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if type(value) in (tuple, list):
+        return type(value)(_detached(v) for v in value)
+    if type(value) is dict:
+        return {k: _detached(v) for k, v in value.items()}
+    return value
 
 
 def _positional_hints(module: nn.Module) -> list[tuple[str, Any, bool]]:
@@ -181,8 +202,57 @@ def _shapes(module: nn.Module, observed: tuple | None) -> tuple[list | None, Any
         ret = None
     out_shape = _generate.shape_from_hint(ret) if ret is not None else None
     if out_shape is None:
-        out_shape = _generate.shape_from_value(output) if observed is not None else ("T",)
+        out_shape = _generate.shape_from_value(output) if observed is not None else _returned_shape(module)
     return in_shapes, out_shape
+
+
+def _returned_shape(module: nn.Module) -> Any:
+    """The output shape read off the ``return`` statements of an unannotated, unobserved forward.
+
+    ``return a, b`` is a tuple of two tensors (constants keep their type),
+    ``return x`` or ``return f(x)`` a tensor, as TorchScript assumes. None
+    where the returns disagree or the source can't be read.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return ("T",)
+    func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if func is None:
+        return ("T",)
+
+    def returns(node):  # the function's own returns, not those of nested functions or classes
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Return):
+                yield child
+            elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                yield from returns(child)
+
+    def shape(node):
+        if node is None:
+            return ("N",)
+        if isinstance(node, ast.Constant):
+            return ("N",) if node.value is None else _generate.shape_from_value(node.value)
+        if isinstance(node, ast.Tuple):
+            items = [shape(e) for e in node.elts]
+            return None if any(i is None for i in items) or any(isinstance(e, ast.Starred) for e in node.elts) \
+                else ("U", items)
+        if isinstance(node, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.JoinedStr)):
+            return None
+        return ("T",)
+
+    shapes = {repr(shape(r.value)): shape(r.value) for r in returns(func)}
+    if not shapes:
+        return ("N",)
+    return next(iter(shapes.values())) if len(shapes) == 1 else None
+
+
+def _overloaded_forward(module: nn.Module) -> bool:
+    """Whether TorchScript compiles this module's forward from overloads (nn.LSTM, nn.GRU, nn.MultiheadAttention)."""
+    try:
+        return bool(torch._jit_internal._get_overloaded_methods(type(module).forward, type(module)))
+    except Exception:  # noqa: BLE001 - private API: when in doubt, not overloaded
+        return False
 
 
 def _hook(text: str):
@@ -250,6 +320,15 @@ def instrument(
     handle = Instrumentation(model)
     try:
         for name, module in chosen.items():
+            if type(module).forward is nn.Module.forward:
+                handle.skipped[name] = (f"{type(module).__name__} has no forward of its own (a container); it is "
+                                        "never called, so its hooks would never run and TorchScript can't compile "
+                                        "them; its children are instrumented")
+                continue
+            if scriptable and _overloaded_forward(module):
+                handle.skipped[name] = (f"{type(module).__name__}.forward is overloaded for TorchScript, which "
+                                        "can't compile hooks on such a module; it is skipped with scriptable=True")
+                continue
             if scriptable and name in observed:
                 n_params = len(_positional_hints(module))
                 if len(observed[name][0]) != n_params:
@@ -261,6 +340,12 @@ def instrument(
             buffers = tuple(n for n, b in module.named_buffers(recurse=False)
                             if b is not None) if "buffer" in kinds else ()
             in_shapes, out_shape = _shapes(module, observed.get(name))
+            if scriptable and out_shape is None and name not in observed:
+                raise PicklehooksError(
+                    f"can't tell what {name!r} ({type(module).__name__}).forward returns, so its hook can't be "
+                    "typed for TorchScript: pass example_inputs= (arguments of one forward) or annotate "
+                    "its forward's return type"
+                )
             module.__dict__[_NAME_ATTR] = name
             handle.modules[name] = module
             if in_flags or params or buffers:
