@@ -19,6 +19,14 @@ What can be baked in:
 Anything else (a tensor, a mutable object, an open file, a local function, a
 name that isn't defined yet) raises :class:`PicklehooksError` naming it.
 
+Scalars (``int``, ``float``, ``bool``, ``str``, ``None``) and tuples of them
+are written into the def itself (``return output * 5.0``), not as module
+constants: TorchScript compiles a literal in a hook's body but refuses to
+read a module-level float ("python value of type 'float' cannot be used as
+a value"). Non-finite floats are written ``math.inf``, ``math.nan`` and
+``-1e999``, never as calls. A name the def rebinds somewhere (a lambda
+parameter, say), or reads inside an f-string, stays a module constant.
+
 Limits: ``portable`` needs the function's source (a file, not the REPL),
 refuses ``nonlocal`` and ``global`` writes (a portable hook can't share state
 with its creator), and bakes values as they are *now*: later changes to a
@@ -84,8 +92,8 @@ def portable(fn: F) -> F:
 def module_text(fn: types.FunctionType) -> str:
     """Return the self-contained module text that :func:`portable` encodes for ``fn``."""
     body = _lambda_as_def(fn) if fn.__name__ == "<lambda>" else _def_source(fn)
-    header = _header(fn, body)
-    return header + body
+    header, inline = _header(fn, body)
+    return header + _inline(body, inline)
 
 
 # --------------------------------------------------------------------------
@@ -229,11 +237,17 @@ def _mutated_names(body: str) -> set[str]:
     return mutated
 
 
-def _header(fn: types.FunctionType, body: str) -> str:
+def _header(fn: types.FunctionType, body: str) -> tuple[str, dict[str, str]]:
+    """The imports and module-level constants ``body`` needs, and the constants to write into it instead."""
     imports: list[str] = []
     constants: list[str] = []
+    inline: dict[str, str] = {}
     mutated = _mutated_names(body)
-    for name in _needed_names(fn, body):
+    bound, in_fstrings = _bound_in_def(body)
+    needed = _needed_names(fn, body)
+    # `math.inf` can be written only where `math` would mean the math module.
+    math_ok = "math" not in bound and ("math" not in needed or _lookup(fn, "math")[1] is math)
+    for name in needed:
         found, value = _lookup(fn, name)
         if not found:
             if hasattr(builtins, name):
@@ -256,12 +270,92 @@ def _header(fn: types.FunctionType, body: str) -> str:
                     "but a portable hook gets its own copy, so the caller would never see the change; "
                     "store results on the module (e.g. a buffer) or use picklehooks' logging instead"
                 )
-            literal, needs_torch = _literal(fn, name, value)
+            text = _inline_literal(value)
+            if text is not None and name not in bound and name not in in_fstrings and (
+                    "math." not in text or math_ok):
+                # TorchScript reads no module-level float, int, bool, str or None ("python value
+                # of type 'float' cannot be used as a value"), but compiles a literal in the body.
+                inline[name] = text
+                if "math." in text:
+                    imports.append("import math")
+                continue
+            literal, needs_torch = _literal(fn, name, value, math_ok=math_ok)
             if needs_torch and "import torch" not in imports:
                 imports.append("import torch")
+            if "math." in literal:
+                imports.append("import math")
             constants.append(f"{name} = {literal}")
     lines = sorted(set(imports), key=lambda line: (line.startswith("from"), line)) + constants
-    return "".join(line + "\n" for line in lines)
+    return "".join(line + "\n" for line in lines), inline
+
+
+def _inline_literal(value: Any) -> str | None:
+    """Python text for a constant worth writing into the body (a scalar, or a tuple of them), else None.
+
+    Non-finite floats are ``math.inf``, ``math.nan`` and ``-1e999``:
+    TorchScript reads those and the shim accepts them anywhere (a default
+    or a module-level constant), where ``float('inf')`` is a call and
+    ``-math.inf`` an operator applied to a name, which the shim refuses.
+    """
+    kind = type(value)
+    if kind in (bool, type(None), str):
+        return repr(value)
+    if kind is int:
+        return repr(value) if value >= 0 else f"({value!r})"
+    if kind is float:
+        if math.isnan(value):
+            return "math.nan"
+        if math.isinf(value):
+            return "math.inf" if value > 0 else "(-1e999)"
+        return repr(value) if math.copysign(1.0, value) > 0 else f"({value!r})"
+    if kind is tuple:
+        items = [_inline_literal(v) for v in value]
+        if any(i is None for i in items):
+            return None
+        return "(" + items[0] + ",)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+    return None
+
+
+def _bound_in_def(body: str) -> tuple[set[str], set[str]]:
+    """Names the def's text binds anywhere (arguments, assignments, inner defs), and names read in f-strings.
+
+    A constant is written into the body only where its name means the
+    constant everywhere in it; inside f-strings Python 3.11 reports no
+    reliable positions, so those names stay module-level constants.
+    """
+    bound, in_fstrings = set(), set()
+    for node in ast.walk(ast.parse(body)):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).partition(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            bound.update(node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.JoinedStr):
+            in_fstrings.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+    return bound, in_fstrings
+
+
+def _inline(body: str, inline: dict[str, str]) -> str:
+    """``body`` with each read of a name in ``inline`` replaced by its literal text, the rest as written."""
+    if not inline:
+        return body
+    lines = [line.encode("utf-8") for line in body.splitlines(keepends=True)]
+    spots = sorted(
+        ((n.lineno, n.col_offset, n.end_col_offset, n.id) for n in ast.walk(ast.parse(body))
+         if isinstance(n, ast.Name) and n.id in inline),
+        reverse=True,
+    )
+    for lineno, start, end, name in spots:  # last first, so earlier offsets (in bytes) stay valid
+        line = lines[lineno - 1]
+        lines[lineno - 1] = line[:start] + inline[name].encode("utf-8") + line[end:]
+    return b"".join(lines).decode("utf-8")
 
 
 def _import_module_line(fn: types.FunctionType, name: str, module: types.ModuleType) -> str:
@@ -301,14 +395,24 @@ def _import_object_line(fn: types.FunctionType, name: str, value: Any) -> str:
 _PLAIN = (str, int, bool, bytes, type(None))
 
 
-def _literal(fn: types.FunctionType, name: str, value: Any, _seen: frozenset = frozenset()) -> tuple[str, bool]:
-    """Return (Python text for ``value``, whether it needs ``import torch``)."""
+def _literal(
+    fn: types.FunctionType, name: str, value: Any, _seen: frozenset = frozenset(), *, math_ok: bool = True
+) -> tuple[str, bool]:
+    """Return (Python text for ``value``, whether it needs ``import torch``).
+
+    Non-finite floats are written ``math.inf``/``math.nan`` (the caller adds
+    ``import math``) unless ``math_ok`` is false, because the hook's creator
+    binds ``math`` to something else; then ``float('inf')``, which older
+    texts hold too.
+    """
     kind = type(value)
     if kind in _PLAIN:
         return repr(value), False
     if kind is float:
         if math.isfinite(value):
             return repr(value), False
+        if math_ok:
+            return _inline_literal(value), False
         return (f"float({str(value)!r})", False)
     if isinstance(value, torch.dtype):
         return str(value), True
@@ -319,10 +423,11 @@ def _literal(fn: types.FunctionType, name: str, value: Any, _seen: frozenset = f
             raise PicklehooksError(f"hook {fn.__qualname__!r}: {name!r} contains itself; it can't be baked in")
         seen = _seen | {id(value)}
         if kind is dict:
-            parts = [(_literal(fn, name, k, seen), _literal(fn, name, v, seen)) for k, v in value.items()]
+            parts = [(_literal(fn, name, k, seen, math_ok=math_ok), _literal(fn, name, v, seen, math_ok=math_ok))
+                     for k, v in value.items()]
             text = "{" + ", ".join(f"{k[0]}: {v[0]}" for k, v in parts) + "}"
             return text, any(k[1] or v[1] for k, v in parts)
-        items = [_literal(fn, name, v, seen) for v in value]
+        items = [_literal(fn, name, v, seen, math_ok=math_ok) for v in value]
         inner = ", ".join(t for t, _ in items)
         text = f"[{inner}]" if kind is list else (f"({inner},)" if len(items) == 1 else f"({inner})")
         return text, any(t for _, t in items)
