@@ -30,8 +30,9 @@ from ._shim import PicklehooksError
 _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
 
 _tap = torch.ops.picklehooks.tap
-_tap_state = torch.ops.picklehooks.tap_state
-_watch_grads = torch.ops.picklehooks.watch_grads
+_record = torch.ops.picklehooks.record
+_record_state = torch.ops.picklehooks.record_state
+_watch = torch.ops.picklehooks.watch
 _zero_grads = torch.ops.picklehooks.zero_grads
 _clamp_grad = torch.ops.picklehooks.clamp_grad
 _range_enter = torch.ops.picklehooks.range_enter
@@ -39,7 +40,7 @@ _range_exit = torch.ops.picklehooks.range_exit
 
 
 def _tracing() -> bool:
-    return torch.compiler.is_compiling() or _FX_SYMBOLIC()
+    return torch.compiler.is_compiling() or _FX_SYMBOLIC() or torch.jit.is_tracing()
 
 
 def skip(flags: int = 0) -> bool:
@@ -98,11 +99,25 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int) -> 
     return x
 
 
+def _traced_tap(x, name: str, kind: str, path: str, flags: int):
+    """What a graph runs for one tensor: the ``record`` op reads it where it is.
+
+    The model keeps ``x`` itself unless a gradient is wanted: only the ``tap``
+    op's autograd formula can see the gradient, and it must sit in the dataflow.
+    """
+    if flags & _ops.VALUE:
+        _record(x, name, kind, path, flags)
+        flags = (flags & ~_ops.VALUE) | _ops.COUNTED
+    if flags & (_ops.GRAD | _ops.GUARD):
+        return _tap(x, name, kind, path, flags)
+    return x
+
+
 def tap_tree(value, name: str, kind: str, path: str, flags: int):
-    """Return ``value`` with every tensor in it replaced by its tapped copy."""
+    """Return ``value`` with every tensor in it tapped (the same tensors, unless gradients are wanted)."""
     if isinstance(value, _TENSORLIKE):
         if _tracing() or not isinstance(value, torch.Tensor):
-            return _tap(value, name, kind, path, flags)
+            return _traced_tap(value, name, kind, path, flags)
         return _eager_tap(value, name, kind, path, flags)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags) for f, v in zip(value._fields, value)))
@@ -133,31 +148,29 @@ def _name_of(module) -> str:
 
 
 def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buffers: tuple):
-    """Pre-hook body: tap positional inputs; thread params/buffers through the first tensor input."""
+    """Pre-hook body: tap positional inputs; record params/buffers; watch parameters' gradients."""
     name = _name_of(module)
-    out = list(inputs)
-    first = _first_tensor(out)
-    if first is not None:
+    tracing = _tracing()
+    if state_flags & _ops.VALUE:
         for kind, names in (("param", params), ("buffer", buffers)):
             if names:
-                # Detached, so recording a parameter never makes the input require grad.
-                values = [getattr(module, n).detach() for n in names]
-                if _tracing():
-                    out[first] = _tap_state(out[first], values, name, kind, ",".join(names), state_flags)
-                elif state_flags & _ops.VALUE:
+                values = [getattr(module, n) for n in names]
+                if tracing:
+                    _record_state(values, name, kind, ",".join(names), state_flags)
+                else:
                     log = _state.active()
                     for n, v in zip(names, values):
                         if log is not None and v is not None:
-                            log._add_tensor(name, kind, n, v, state_flags)
+                            log._add_tensor(name, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         values = [getattr(module, n) for n in params]
-        if _tracing() and first is not None:  # the graph must call the op that attaches the hooks
-            out[first] = _watch_grads(out[first], values, name, ",".join(params), state_flags)
-        elif not _tracing():
+        if tracing:  # the graph must call the op that attaches the hooks
+            _watch(values, name, ",".join(params), state_flags)
+        else:
             _ops.watch_grads(name, params, values, state_flags)
-    if flags:
-        out = [tap_tree(v, name, "input", str(i), flags) for i, v in enumerate(out)]
-    return tuple(out)
+    if not flags:
+        return None  # the module gets its own arguments
+    return tuple(tap_tree(v, name, "input", str(i), flags) for i, v in enumerate(inputs))
 
 
 def forward(module, output, flags: int):

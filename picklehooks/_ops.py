@@ -58,6 +58,9 @@ VALUE, GRAD, STATS, TENSOR = 1, 2, 4, 8
 PARAM_GRAD = 16
 #: Raise :class:`NonfiniteError` when a tapped value or its gradient is not finite.
 GUARD = 32
+#: Set on a ``tap`` whose forward value the ``record`` op already recorded (and counted):
+#: the tap only carries the gradient.
+COUNTED = 64
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):
@@ -180,7 +183,7 @@ def _define_ops() -> None:
             check_finite(x, module, kind, path)
         if flags & VALUE:
             _deliver(x, module, kind, path, flags)
-        elif flags & GRAD:
+        elif flags & GRAD and not flags & COUNTED:
             log = _state.active()
             if log is not None:
                 log._note_call(module, kind, path)  # so the gradient's record gets the right call
@@ -305,6 +308,59 @@ def _define_ops() -> None:
     clamp_grad.register_autograd(_clamp_grad_backward, setup_context=_clamp_grad_setup)
 
 
+def _record_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> None:
+    _deliver(x, module, kind, path, flags)
+
+
+def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
+    # Schemas have no list-of-str type, so the names arrive comma-joined.
+    for name, value in zip(names.split(","), values):
+        if value is not None:
+            _deliver(value, module, kind, name, flags)
+
+
+def _watch_kernel(params: list, module: str, names: str, flags: int) -> None:
+    watch_grads(module, names.split(","), params, flags)
+
+
+# The ops that only look: no output, so the model keeps its own tensors (no
+# copy, in-place changes and ``a is b`` survive), declared CONSERVATIVE so
+# TorchScript assumes they have side effects and keeps them, and registered as
+# ORDERED effects so that torch.compile and torch.export thread them with
+# effect tokens: never dropped, merged with an identical call, or reordered.
+# Each value is read at its place in the program, before later in-place ops.
+_EFFECT_OPS = {
+    "record": ("record(Tensor x, str module, str kind, str path, int flags) -> ()", _record_kernel),
+    "record_state": ("record_state(Tensor?[] values, str module, str kind, str names, int flags) -> ()",
+                     _record_state_kernel),
+    "watch": ("watch(Tensor?[] params, str module, str names, int flags) -> ()", _watch_kernel),
+}
+_LIBRARY = None  # kept alive: dropping a Library removes its registrations
+
+
+def _define_effect_ops() -> None:
+    global _LIBRARY
+    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    for name, (schema, kernel) in _EFFECT_OPS.items():
+        lib.define(schema, alias_analysis="CONSERVATIVE")
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", lambda *args: None, lib=lib)
+        _register_ordered_effect(getattr(torch.ops.picklehooks, name).default)
+    _LIBRARY = lib
+
+
+def _register_ordered_effect(op) -> None:
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is not None:
+        from torch._library.effects import EffectType
+
+        register(op, EffectType.ORDERED)
+    else:  # torch before 2.10
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        _register_effectful_op(op, _EffectType.ORDERED)
+
+
 # The host's picklehooks registers the ops. A copy of this file inside a
 # torch.package archive (see picklehooks._shim) defers to the host's when
 # picklehooks is installed there, and otherwise registers them itself, once,
@@ -322,3 +378,4 @@ if __name__ != "picklehooks._ops":
                         _host.zero_grads, _host.unzero_grads, _host.range_enter, _host.range_exit)
 if not _defined():
     _define_ops()
+    _define_effect_ops()
