@@ -155,7 +155,13 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
         for kind, names in (("param", params), ("buffer", buffers)):
             if names:
                 values = [getattr(module, n) for n in names]
-                if tracing:
+                if tracing and torch.jit.is_tracing():
+                    # jit.trace can't take the Tensor?[] argument of record_state ("unsupported
+                    # input list type: Tensor?"): one record op per value delivers the same.
+                    for n, v in zip(names, values):
+                        if v is not None:
+                            _record(v, name, kind, n, state_flags)
+                elif tracing:
                     _record_state(values, name, kind, ",".join(names), state_flags)
                 else:
                     log = _state.active()
@@ -164,8 +170,10 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                             log._add_tensor(name, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         values = [getattr(module, n) for n in params]
-        if tracing:  # the graph must call the op that attaches the hooks
+        if tracing and not torch.jit.is_tracing():  # the graph must call the op that attaches the hooks
             _watch(values, name, ",".join(params), state_flags)
+        # Under jit.trace (no Tensor?[] argument either) the hooks are attached now, in this
+        # process: a traced model records param_grad here, but not after jit.save and load.
         else:
             _ops.watch_grads(name, params, values, state_flags)
     if not flags:

@@ -1,4 +1,4 @@
-"""The same records from every backend: eager, pickle, package, script, FX, compile, export.
+"""The same records from every backend: eager, pickle, package, script, trace, FX, compile, export.
 
 Each test instruments a fresh model, runs it through one backend (in a
 fresh process where the backend crosses one), and compares every record
@@ -23,7 +23,7 @@ from tests import models
 from tests.recording import CAPTURE, run, summary
 from tests.testutils import REPO
 
-BACKENDS = ["pickle", "package", "script", "script_saveload", "fx", "compile", "export", "export_saveload"]
+BACKENDS = ["pickle", "package", "script", "script_saveload", "trace", "fx", "compile", "export", "export_saveload"]
 
 
 def instrumented(name: str, mode: str = "stats"):
@@ -103,6 +103,8 @@ def backend_summary(backend: str, name: str, tmp_path) -> dict:
             return summary(run(scripted, x))
         torch.jit.save(scripted, tmp_path / "model.pt")
         return child_summary("script", tmp_path / "model.pt", tmp_path, x)
+    if backend == "trace":
+        return summary(run(torch.jit.trace(model, x), x))
     if backend == "fx":
         return summary(run(torch.fx.symbolic_trace(model), x))
     if backend == "compile":
