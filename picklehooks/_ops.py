@@ -89,14 +89,27 @@ def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_aut
 
 _NAMESPACE = "picklehooks"
 
-# Parameters whose gradients are watched, and the hooks' handles; weak so models can be freed.
+# Watched parameters -> {(module, name): hook handle}; weak so models can be freed.
+# A parameter may have several owners: a tied weight (GPT-2's lm_head and wte)
+# is recorded under each chosen module that holds it.
 _WATCHED = WeakIdKeyDictionary()
 
 
 def watch_grads(module: str, names: list[str], params: list, flags: int) -> None:
-    """Record each parameter's gradient as ``param_grad`` once it is accumulated (attached once per parameter)."""
+    """Record each parameter's gradient as ``param_grad`` of ``module`` once it is accumulated.
+
+    Attached once per (parameter, module, name). Only the parameter itself can
+    carry the hook: a copy (as Inductor hands a Conv2d weight it converted to
+    channels-last) is skipped, which is why ``instrument()`` also attaches
+    these hooks itself, outside any graph.
+    """
     for name, param in zip(names, params):
-        if param is None or not param.requires_grad or not param.is_leaf or param in _WATCHED:
+        if param is None or not param.requires_grad or not param.is_leaf:
+            continue
+        owners = _WATCHED.get(param)
+        if owners is None:
+            owners = _WATCHED[param] = {}
+        if (module, name) in owners:
             continue
 
         def deliver(p: torch.Tensor, module: str = module, name: str = name, flags: int = flags) -> None:
@@ -104,12 +117,19 @@ def watch_grads(module: str, names: list[str], params: list, flags: int) -> None
             if log is not None and p.grad is not None:
                 log._add_tensor(module, "param_grad", name, p.grad, flags)
 
-        _WATCHED[param] = param.register_post_accumulate_grad_hook(deliver)
+        owners[(module, name)] = param.register_post_accumulate_grad_hook(deliver)
 
 
-def unwatch_grads(params) -> None:
-    """Remove the hooks :func:`watch_grads` attached to these parameters."""
-    _unhook(_WATCHED, params)
+def unwatch_grads(params, module: str | None = None) -> None:
+    """Remove the hooks :func:`watch_grads` attached to these parameters (for ``module``, or all)."""
+    for param in params:
+        owners = _WATCHED.get(param)
+        if not owners:
+            continue
+        for key in [k for k in owners if module is None or k[0] == module]:
+            owners.pop(key).remove()
+        if not owners:
+            del _WATCHED[param]
 
 
 # Parameters whose gradient is zeroed, and the tensor hooks' handles.
@@ -125,7 +145,10 @@ def zero_grads(params: list) -> None:
 
 def unzero_grads(params) -> None:
     """Remove the hooks :func:`zero_grads` attached to these parameters."""
-    _unhook(_ZEROED, params)
+    for param in params:
+        handle = _ZEROED.pop(param, None)
+        if handle is not None:
+            handle.remove()
 
 
 #: What a module's profiler range is named before its qualified name ("2.0" alone
@@ -153,11 +176,6 @@ def range_exit(name: str) -> None:
             return
 
 
-def _unhook(table: WeakIdKeyDictionary, params) -> None:
-    for param in params:
-        handle = table.pop(param, None)
-        if handle is not None:
-            handle.remove()
 
 
 def _deliver(x: torch.Tensor, module: str, kind: str, path: str, flags: int, *, from_autograd: bool = False) -> None:

@@ -54,6 +54,7 @@ class Instrumentation:
         self.modules: dict[str, nn.Module] = {}
         self.skipped: dict[str, str] = {}  # qualified name -> why it got no hooks
         self._handles: list[RemovableHandle] = []
+        self._watching: dict[str, nn.Module] = {}  # modules whose parameters' gradients are watched
 
     def remove(self) -> None:
         """Remove every hook and attribute this instrumentation added."""
@@ -62,8 +63,10 @@ class Instrumentation:
         self._handles.clear()
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
-            _ops.unwatch_grads(module.parameters(recurse=False))
+        for name, module in self._watching.items():
+            _ops.unwatch_grads(module.parameters(recurse=False), name)
         self.modules.clear()
+        self._watching.clear()
 
     def __enter__(self) -> Instrumentation:
         return self
@@ -320,6 +323,15 @@ def instrument(
     handle = Instrumentation(model)
     try:
         for name, module in chosen.items():
+            if "param_grad" in kinds:
+                # Attached here, outside any graph, for every chosen module, also those that
+                # get no hooks below: a graph's watch op only sees the parameters a backend
+                # hands it unchanged (Inductor converts Conv2d weights to channels-last
+                # copies), and a module that is never called (MHA reads out_proj.weight
+                # directly; a ParameterList) runs no hook at all.
+                own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+                _ops.watch_grads(name, [n for n, _ in own], [p for _, p in own], state_flags)
+                handle._watching[name] = module
             if type(module).forward is nn.Module.forward:
                 handle.skipped[name] = (f"{type(module).__name__} has no forward of its own (a container); it is "
                                         "never called, so its hooks would never run and TorchScript can't compile "

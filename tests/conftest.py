@@ -1,0 +1,26 @@
+"""Session set-up shared by every test file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+_CACHE_DIR: str | None = None
+
+
+def pytest_configure(config):
+    """A fresh Inductor cache for every test session (and xdist worker).
+
+    A warm cache once hid a real bug: a compiled graph from an older run of the
+    code was reused instead of compiling what the code now produces. Child
+    processes the tests start inherit the variable, so they share this fresh cache.
+    """
+    global _CACHE_DIR
+    _CACHE_DIR = tempfile.mkdtemp(prefix="picklehooks-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_unconfigure(config):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
