@@ -8,7 +8,6 @@ import importlib.util
 import inspect
 import linecache
 import sys
-import textwrap
 import threading
 import traceback
 from pathlib import Path
