@@ -151,6 +151,7 @@ HOSTILE = [
     ("import-side-effect", "import sidefx_a\ndef f():\n    pass\n", "not imported yet"),
     ("from-import-submodule", "from sidefxpkg import sub\ndef f():\n    pass\n", "not imported yet"),
     ("import-main", "import evilmod.__main__\ndef f():\n    pass\n", "__main__"),
+    ("ctypes-subscript", "import ctypes\n_ = ctypes.cdll['libpicklehooks_marker.so']\ndef f():\n    pass\n", "subscript"),
     ("builtins-rebind", "from evilmod import touch as __builtins__\ndef f():\n    pass\n", "shadow"),
     ("lambda-default", "from evilmod import touch\ndef f(x=(lambda: touch())()):\n    pass\n", "calls"),
     ("walrus", "from evilmod import touch\n_ = (g := touch)()\ndef f():\n    pass\n", "calls"),
@@ -166,7 +167,7 @@ def test_hostile_text_is_refused(planted, case_id, text, match):
 @pytest.mark.parametrize("case_id, text, match", HOSTILE, ids=[c[0] for c in HOSTILE])
 def test_hostile_texts_really_run_code(planted, tmp_path, case_id, text, match):
     """Control: executed directly, each hostile text does write the marker (or import a side effect)."""
-    if case_id in ("import-main", "builtins-rebind"):
+    if case_id in ("import-main", "builtins-rebind", "ctypes-subscript"):
         pytest.skip("refused by name: the danger is not in running the text once")
     sys.modules.pop("sidefx_a", None)
     sys.modules.pop("sidefxpkg.sub", None)
