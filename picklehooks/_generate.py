@@ -218,6 +218,17 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     return _typed("picklehooks_pre", sig, annotation(("U", inputs)), generic, body + em.lines, ret, flags)
 
 
+def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: tuple) -> str:
+    """Text of a ``with_kwargs=True`` forward pre-hook: positional and keyword inputs, params/buffers.
+
+    Every form but TorchScript calls it (TorchScript compiles pre-hooks as
+    ``(module, input)`` only, so ``instrument(scriptable=True)`` uses
+    :func:`pre_hook_text` instead).
+    """
+    generic = f"_rt.pre_kw(module, args, kwargs, {flags}, {state_flags}, {params!r}, {buffers!r})"
+    return _untyped("picklehooks_pre_kw", "module, args, kwargs", generic, flags)
+
+
 def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int) -> str:
     """Text of a forward hook: tap every tensor in the output."""
     generic = f"_rt.forward(module, output, {flags})"

@@ -181,6 +181,19 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
     return tuple(tap_tree(v, name, "input", str(i), flags) for i, v in enumerate(inputs))
 
 
+def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, params: tuple, buffers: tuple):
+    """Body of a ``with_kwargs`` pre-hook: :func:`pre`, and keyword inputs recorded under their names.
+
+    A keyword input's record path is the keyword (``"attention_mask"``), or the
+    keyword and its position inside the value (``"position_embeddings/0"``).
+    """
+    tapped = pre(module, args, flags, state_flags, params, buffers)
+    if not flags:
+        return None
+    name = _name_of(module)
+    return tapped, {k: tap_tree(v, name, "input", k, flags) for k, v in kwargs.items()}
+
+
 def forward(module, output, flags: int):
     """Forward-hook body: tap every tensor in the output."""
     if type(output) is torch.Tensor and not _tracing():  # the common case, one call shorter

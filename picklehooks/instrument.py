@@ -10,14 +10,22 @@ traced, compiled and exported; ``record()`` turns recording on.
 
 Limits:
 
-* TorchScript only accepts hooks on a submodule whose call site passes every
-  forward argument positionally; ``instrument(..., scriptable=True)`` skips
-  the other modules (seen in ``example_inputs``) so the model still scripts.
+* Inputs are recorded by a ``with_kwargs=True`` pre-hook, so keyword
+  arguments are recorded too (path = the keyword, e.g. ``"attention_mask"`` or
+  ``"position_embeddings/0"``), in eager mode, pickle, torch.package, FX,
+  ``torch.compile`` and ``torch.export``. TorchScript compiles pre-hooks as
+  ``(module, input)`` only: a model that will be scripted while inputs,
+  parameters or buffers are captured needs ``instrument(...,
+  scriptable=True)``, whose positional hooks see positional arguments only,
+  and which skips modules called otherwise (seen in ``example_inputs``) so
+  that the model still scripts, naming each in ``handle.skipped``.
 * ``torch.fx.symbolic_trace`` drops the root module's hooks, so the root is
   only chosen when a pattern names it (``modules=[""]``).
-* ``input`` means positional arguments: a pre-hook can't see keyword ones.
-* ``param_grad`` hooks are attached by the first forward after instrument()
-  (or after loading), so a backward needs a forward of its own to be seen.
+* ``param_grad`` hooks are attached by ``instrument()`` itself, for every
+  owner of a parameter (tied weights are recorded under each chosen module
+  that holds them), and, in a model loaded elsewhere, by the first forward of
+  each module (through the ``watch`` op in graphs); a parameter of a module
+  that never runs in the loaded model is then not watched.
 * ``profile=True`` ranges ride on a tensor argument and a tensor output
   where the hooks are scripted or traced; modules without one are timed in
   eager mode only.
@@ -360,9 +368,12 @@ def instrument(
                 )
             module.__dict__[_NAME_ATTR] = name
             handle.modules[name] = module
-            if in_flags or params or buffers:
+            if (in_flags or params or buffers) and scriptable:
                 text = _generate.pre_hook_text(in_shapes, in_flags, state_flags, params, buffers)
                 handle._handles.append(module.register_forward_pre_hook(_hook(text)))
+            elif in_flags or params or buffers:
+                text = _generate.keyword_pre_hook_text(in_flags, state_flags, params, buffers)
+                handle._handles.append(module.register_forward_pre_hook(_hook(text), with_kwargs=True))
             if out_flags:
                 text = _generate.forward_hook_text(in_shapes, out_shape, out_flags)
                 handle._handles.append(module.register_forward_hook(_hook(text)))

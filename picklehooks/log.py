@@ -155,7 +155,10 @@ def _stats_dict(shape: tuple, dtype: str, values) -> dict:
     return {"shape": shape, "dtype": dtype, **stats}
 
 
-_FORWARD_OF = {"grad_output": "output", "grad_input": "input", "param_grad": "param"}
+# A gradient record takes the call number of the forward call it flows back to (backward
+# visits the latest call first). Not param_grad: a parameter's gradient is accumulated
+# over every call of the step and delivered once per backward, so those are counted.
+_FORWARD_OF = {"grad_output": "output", "grad_input": "input"}
 
 
 @dataclasses.dataclass(eq=False)

@@ -21,7 +21,7 @@ from tests import zoo
 from tests.testutils import transformed
 
 FORMS = ["eager", "script", "trace", "fx", "compile", "export"]
-CAPTURE = ("input", "output", "param_grad")
+CAPTURE = ("input", "output", "param", "param_grad")
 
 
 def plain_records(model: torch.nn.Module, args: tuple) -> tuple[dict, torch.Tensor, dict]:
@@ -39,10 +39,12 @@ def plain_records(model: torch.nn.Module, args: tuple) -> tuple[dict, torch.Tens
         if not name or type(module).forward is torch.nn.Module.forward:
             continue  # containers are never called
 
-        def pre(m, inputs, name=name):
-            for i, v in enumerate(inputs):
+        def pre(m, inputs, kwargs, name=name):
+            for path, v in [*((str(i), v) for i, v in enumerate(inputs)), *_leaves(kwargs)]:
                 if isinstance(v, torch.Tensor):
-                    put(name, "input", str(i), v)
+                    put(name, "input", path, v)
+            for pname, p in m.named_parameters(recurse=False):
+                put(name, "param", pname, p)
 
         def post(m, inputs, output, name=name):
             outs = {"": output} if isinstance(output, torch.Tensor) else {
@@ -50,7 +52,7 @@ def plain_records(model: torch.nn.Module, args: tuple) -> tuple[dict, torch.Tens
             for path, v in outs.items():
                 put(name, "output", path, v)
 
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        handles += [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
     try:
         out = model(*args)
     finally:
@@ -63,6 +65,17 @@ def plain_records(model: torch.nn.Module, args: tuple) -> tuple[dict, torch.Tens
                 if p.grad is not None:
                     seen[(name, "param_grad", pname, 0)] = p.grad.clone()
     return seen, out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _leaves(kwargs: dict) -> list:
+    """(record path, value) of every keyword argument: the keyword, then positions inside tuples."""
+    out = []
+    for key, value in kwargs.items():
+        if isinstance(value, (tuple, list)):
+            out += [(f"{key}/{i}", v) for i, v in enumerate(value)]
+        else:
+            out.append((key, value))
+    return out
 
 
 def _form(model, form: str, args: tuple):
@@ -103,6 +116,8 @@ def test_records_and_outputs(name, form):
     handle = picklehooks.instrument(model, capture=CAPTURE, mode="tensor", **options)
     log, out = _run(_form(model, form, args), args)
     want = {k: v for k, v in want.items() if k[0] not in handle.skipped or k[1] == "param_grad"}
+    if form == "script":  # TorchScript hooks see positional arguments only
+        assert all("positionally" in handle.skipped[n] for n in zoo.KEYWORD_CALLED.get(name, ()))
 
     assert torch.equal(out, plain_out.detach()), "instrumenting changed the model's output"
     got_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

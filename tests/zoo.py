@@ -88,6 +88,36 @@ class Conv(nn.Module):
         return self.conv2(torch.relu(self.conv(x)))
 
 
+class Block(nn.Module):
+    """A Hugging Face-style layer: everything arrives by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
+                position_embeddings: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        assert position_embeddings is not None and attention_mask is not None  # (for TorchScript's types)
+        cos, sin = position_embeddings
+        return self.proj(hidden_states * cos + sin) + attention_mask
+
+
+class KeywordCalls(nn.Module):
+    """Calls its block with keywords only (HF's hidden_states=, attention_mask=, position_embeddings=)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = (x > 0).to(x.dtype)
+        return self.block(hidden_states=x, attention_mask=mask, position_embeddings=(x.cos(), x.sin()))
+
+
+#: Modules that the model calls with keyword arguments (TorchScript hooks can't see those).
+KEYWORD_CALLED = {"KeywordCalls": ["block"]}
+
+
 def inputs(name: str) -> tuple:
     g = torch.Generator().manual_seed(1)
     if name == "Tied":
@@ -104,4 +134,5 @@ def build(name: str) -> nn.Module:
     return globals()[name]()
 
 
-NAMES = ["DiscardedOutput", "CalledTwice", "TwoBranches", "InPlaceAfter", "Tied", "Attention", "Conv"]
+NAMES = ["DiscardedOutput", "CalledTwice", "TwoBranches", "InPlaceAfter", "Tied", "Attention", "Conv",
+         "KeywordCalls"]
