@@ -43,6 +43,7 @@ eager hooks skip the op entirely while nothing records.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from typing import Optional
@@ -89,6 +90,9 @@ def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_aut
 
 _NAMESPACE = "picklehooks"
 
+#: Attribute instrument() sets on each watched parameter: ((module, name), ...) of its owners.
+OWNERS_ATTR = "_picklehooks_owners"
+
 # Watched parameters -> {(module, name): hook handle}; weak so models can be freed.
 # A parameter may have several owners: a tied weight (GPT-2's lm_head and wte)
 # is recorded under each chosen module that holds it.
@@ -109,15 +113,18 @@ def watch_grads(module: str, names: list[str], params: list, flags: int) -> None
         owners = _WATCHED.get(param)
         if owners is None:
             owners = _WATCHED[param] = {}
-        if (module, name) in owners:
-            continue
+        # Every owner instrument() named on the parameter (it travels with the parameter
+        # through pickle and torch.package), so that a tied weight is recorded under an
+        # owner that never runs in a loaded model (T5's shared embedding) too.
+        for key in [(module, name), *param.__dict__.get(OWNERS_ATTR, ())]:
+            if key not in owners:
+                owners[key] = param.register_post_accumulate_grad_hook(functools.partial(_deliver_grad, *key, flags))
 
-        def deliver(p: torch.Tensor, module: str = module, name: str = name, flags: int = flags) -> None:
-            log = _state.active(from_autograd=True)
-            if log is not None and p.grad is not None:
-                log._add_tensor(module, "param_grad", name, p.grad, flags)
 
-        owners[(module, name)] = param.register_post_accumulate_grad_hook(deliver)
+def _deliver_grad(module: str, name: str, flags: int, p: torch.Tensor) -> None:
+    log = _state.active(from_autograd=True)
+    if log is not None and p.grad is not None:
+        log._add_tensor(module, "param_grad", name, p.grad, flags)
 
 
 def unwatch_grads(params, module: str | None = None) -> None:
