@@ -49,3 +49,10 @@ def typed_pre(module: nn.Module, inputs: Tuple[torch.Tensor]) -> Tuple[torch.Ten
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+
+
+def import_in_body(module, inputs, output):
+    """A hook that imports inside its body (run when called, not when decoded)."""
+    import statistics
+
+    return output * statistics.fmean([1.0, 3.0])

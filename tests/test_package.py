@@ -63,6 +63,15 @@ class TestExport:
         assert got == expected(model)
         assert got["distinct"] == 3  # the shared clamp stays one function
 
+    def test_imports_inside_the_hook_body(self, tmp_path):
+        """A module the hook imports in its body is declared to the exporter, so the archive loads and runs it."""
+        model = hooks.mlp()
+        model[0].register_forward_hook(picklehooks.portable(hooks.import_in_body))
+        path = tmp_path / "model.pt"
+        picklehooks.package.save(path, model)
+        got = json.loads(run_fresh("import sys\n" + LOAD, str(path)))
+        assert got["output"] == model(X).tolist()
+
     @pytest.mark.parametrize("order", ["prepare_first", "patterns_first", "no_prepare"])
     def test_own_exporter(self, tmp_path, order):
         """A user-driven exporter with its own patterns, with prepare before or after them, or not at all."""
