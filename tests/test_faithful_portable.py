@@ -120,17 +120,22 @@ class TestKeptAtModuleLevel:
         assert "bounds = [(-1e999), math.inf]\n" in text and "import math\n" in text
         model = linear()
         model.register_forward_hook(picklehooks.portable(hook))
-        torch.save({"model": model, "x": x}, tmp_path / "m.pt")
-        run_fresh(
-            """
-            import sys, torch
-            saved = torch.load(sys.argv[1], weights_only=False)
-            torch.save(saved["model"](saved["x"]), sys.argv[2])
-            """, str(tmp_path / "m.pt"), str(tmp_path / "y.pt"), cwd=REPO)
-        assert torch.equal(torch.load(tmp_path / "y.pt"), plain_output(hook, x))
+        assert torch.equal(output_in_fresh_process(model, x, tmp_path), plain_output(hook, x))
 
 
 NEGATIVE_INFINITY = -math.inf
+
+
+def output_in_fresh_process(model, x, tmp_path) -> torch.Tensor:
+    """``model(x)`` computed by a fresh interpreter that torch.load()s the pickled model."""
+    torch.save({"model": model, "x": x}, tmp_path / "m.pt")
+    run_fresh(
+        """
+        import sys, torch
+        saved = torch.load(sys.argv[1], weights_only=False)
+        torch.save(saved["model"](saved["x"]), sys.argv[2])
+        """, str(tmp_path / "m.pt"), str(tmp_path / "y.pt"), cwd=REPO)
+    return torch.load(tmp_path / "y.pt")
 
 
 def clamp_with_defaults(module, inputs, output, lo=NEGATIVE_INFINITY, hi=math.inf):
@@ -143,11 +148,4 @@ def test_constants_in_defaults_decode_in_a_fresh_process(tmp_path):
     assert "lo=(-1e999), hi=math.inf" in module_text(hook)
     model = linear()
     model.register_forward_hook(picklehooks.portable(hook))
-    torch.save({"model": model, "x": x}, tmp_path / "m.pt")
-    run_fresh(
-        """
-        import sys, torch
-        saved = torch.load(sys.argv[1], weights_only=False)
-        torch.save(saved["model"](saved["x"]), sys.argv[2])
-        """, str(tmp_path / "m.pt"), str(tmp_path / "y.pt"), cwd=REPO)
-    assert torch.equal(torch.load(tmp_path / "y.pt"), plain_output(hook, x))
+    assert torch.equal(output_in_fresh_process(model, x, tmp_path), plain_output(hook, x))
