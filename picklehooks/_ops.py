@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import threading
 from typing import Optional
 
@@ -89,6 +90,10 @@ def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_aut
                              f"among {x.numel()} values", module, kind, path, None if log is None else log.step)
 
 _NAMESPACE = "picklehooks"
+
+# Tap sites are numbered in the bits above the flags (see _tap_setup); kernels only test flag bits.
+_SITES = itertools.count()
+_SITE_SHIFT, _SITE_MODULUS = 16, 1 << 40
 
 #: Attribute instrument() sets on each watched parameter: ((module, name), ...) of its owners.
 OWNERS_ATTR = "_picklehooks_owners"
@@ -232,10 +237,15 @@ def _define_ops() -> None:
 
     def _tap_setup(ctx, inputs, output) -> None:
         ctx.module, ctx.kind, ctx.path, ctx.flags = inputs[1:5]
+        # A number per tap site, above the flag bits: two calls of one module whose
+        # gradients are the same tensor (f(a) + f(b)) must not look like one call to a
+        # compiler's common-subexpression elimination in the backward graph.
+        ctx.site = next(_SITES) % _SITE_MODULUS
 
     def _tap_backward(ctx, grad):
         if ctx.flags & (GRAD | GUARD) and grad is not None:
-            grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path, ctx.flags)
+            grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path,
+                                                  ctx.flags | ctx.site << _SITE_SHIFT)
         return grad, None, None, None, None
 
     tap.register_autograd(_tap_backward, setup_context=_tap_setup)

@@ -130,3 +130,32 @@ def test_records_and_outputs(name, form):
     for key, tensor in want.items():
         # Compiled kernels may round differently from eager: 1e-5 relative is far below any real change.
         torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_two_calls_stay_two_records(form):
+    """f(a) + f(b) records grad_output for both calls, as plain hooks on the caller's views see them."""
+    args = zoo.inputs("SameGradient")
+    plain, want = zoo.build("SameGradient"), {}
+
+    def post(m, inputs, output):
+        view = output.view_as(output)
+        view.register_hook(lambda g, call=post.calls: want.__setitem__(("lin", "grad_output", "", call), g.clone()))
+        post.calls += 1
+        return view
+
+    post.calls = 0
+    plain.lin.register_forward_hook(post)
+    plain(*args).sum().backward()
+    assert len(want) == 2
+
+    model = zoo.build("SameGradient")
+    picklehooks.instrument(model, capture="grad_output", mode="tensor",
+                           **({"scriptable": True, "example_inputs": args} if form == "script" else {}))
+    run = _form(model, form, args)
+    with picklehooks.record() as log:
+        run(*args).sum().backward()
+    got = {r.key: r.tensor for r in log.records}
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6)

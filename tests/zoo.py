@@ -136,3 +136,14 @@ def build(name: str) -> nn.Module:
 
 NAMES = ["DiscardedOutput", "CalledTwice", "TwoBranches", "InPlaceAfter", "Tied", "Attention", "Conv",
          "KeywordCalls"]
+
+
+class SameGradient(nn.Module):
+    """f(a) + f(b): both calls' output gradients are one tensor, so a backward graph may merge their taps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x.sin()) + self.lin(x.cos())
