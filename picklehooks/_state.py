@@ -2,8 +2,9 @@
 
 ``record()`` sets a :mod:`contextvars` variable, so recording is on for the
 current thread or asyncio task only. Backward passes may run on autograd's
-device threads, which don't inherit context; there, a gradient goes to the
-one log that is active anywhere in the process, if there is exactly one.
+device threads, which don't inherit context; there (and only there: not in
+another thread of the user's), a gradient goes to the one log that is active
+anywhere in the process, if there is exactly one.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ _LOCK = threading.Lock()
 
 
 def active(*, from_autograd: bool = False):
-    """Return the log recording in this context, or ``None``."""
+    """Return the log recording in this context, or ``None``.
+
+    ``from_autograd``: called from a gradient hook. A backward on the CPU runs
+    in the thread that called it, whose context says whether it records; only
+    autograd's own device threads (started by C++, so Python sees them as
+    dummy threads) fall back to the one log active anywhere.
+    """
     log = _ACTIVE.get()
-    if log is None and from_autograd:
+    if log is None and from_autograd and isinstance(threading.current_thread(), threading._DummyThread):
         with _LOCK:
             if len(_ANYWHERE) == 1:
                 return _ANYWHERE[0]

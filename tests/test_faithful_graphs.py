@@ -159,3 +159,29 @@ def test_gradients_of_two_calls_stay_two_records(form):
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
         torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["eager", "script", "fx"])
+def test_another_threads_gradients_stay_out(form):
+    """A thread that isn't recording runs forward and backward while another records: nothing of it lands there."""
+    import threading
+
+    args = zoo.inputs("SameGradient")
+    model = zoo.build("SameGradient")
+    picklehooks.instrument(model, capture=("output", "grad_output", "param_grad"),
+                           **({"scriptable": True, "example_inputs": args} if form == "script" else {}))
+    run = _form(model, form, args)
+    recording, other_done = threading.Event(), threading.Event()
+
+    def other():
+        recording.wait(10)
+        run(*args).sum().backward()
+        other_done.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with picklehooks.record() as log:
+        recording.set()
+        other_done.wait(30)
+    worker.join(30)
+    assert other_done.is_set() and len(log) == 0, [r.key for r in log.records]
