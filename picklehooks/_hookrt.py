@@ -4,16 +4,19 @@ A generated hook (see :mod:`picklehooks._generate`) has two bodies: a typed
 one that TorchScript compiles, and ``if not torch.jit.is_scripting():``
 a call into this module, which walks any nested value (tuples, lists, dicts,
 namedtuples, dataclasses) and taps every tensor in it. Eager mode, FX,
-``torch.compile`` and ``torch.export`` all run this path; the last three
-trace it, so it must stay traceable: no data-dependent Python control flow.
+``torch.jit.trace``, ``torch.compile`` and ``torch.export`` all run this path;
+all but eager trace it, so it must stay traceable: no data-dependent Python
+control flow. In a graph a value is read by the no-output ``record`` op and
+the model keeps its own tensor; only gradients go through the ``tap`` op.
 
 While nothing records, :func:`skip` lets eager hooks return at once; while
 tracing it never skips, because the trace must contain the ops whatever the
 recording state is when the graph later runs.
 
 ``param_grad`` is recorded by post-accumulate-grad hooks on the parameters,
-attached lazily (and once) by the pre-hook: directly in eager mode, through
-the ``watch_grads`` op where the hook is traced or scripted.
+attached by ``instrument()`` and, in a model loaded elsewhere, once by the
+pre-hook: directly in eager mode, through the ``watch`` op where the hook is
+scripted or in a graph.
 
 Limits: non-tensor values are recorded (by repr) only in eager mode.
 """
@@ -170,10 +173,10 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                             log._add_tensor(name, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         values = [getattr(module, n) for n in params]
+        # Under jit.trace (which can't take a Tensor?[] argument either) the hooks are attached
+        # now, in this process: a traced model records param_grad here, not after jit.save/load.
         if tracing and not torch.jit.is_tracing():  # the graph must call the op that attaches the hooks
             _watch(values, name, ",".join(params), state_flags)
-        # Under jit.trace (no Tensor?[] argument either) the hooks are attached now, in this
-        # process: a traced model records param_grad here, but not after jit.save and load.
         else:
             _ops.watch_grads(name, params, values, state_flags)
     if not flags:
