@@ -1,27 +1,32 @@
-"""The recording ops: ``torch.library`` custom ops that hooks put into the model's dataflow.
+"""The recording ops: ``torch.library`` ops that hooks put into the model's graphs.
 
-Every generated hook rewrites values as ``x = tap(x, ...)``. The op returns a
-copy of ``x`` (custom ops may not return their input) and, when a log is
-recording, hands ``x`` to it. Because its output is used, FX, torch.export
-and Inductor keep it in the graph; because it is an op, TorchScript,
-``torch.compile(fullgraph=True)`` and ``torch.export`` all call it without a
-graph break. Its autograd formula passes the gradient through
-``tap_grad``, which records it: that is how gradients are captured where
-backward hooks are not supported (TorchScript, export).
+Values are read by ops with no output (:data:`_EFFECT_OPS`): declared
+CONSERVATIVE, so TorchScript assumes side effects and keeps them, and
+registered as ORDERED effects, so ``torch.compile`` and ``torch.export``
+thread them with effect tokens and never drop, merge or reorder them. The
+model keeps its own tensors (no copy): in-place modules and ``a is b`` behave
+as without picklehooks.
 
-* ``picklehooks::tap(x, module, kind, path, flags)``: record ``x`` as
-  ``kind`` ("input"/"output"); its gradient as ``"grad_" + kind``.
+* ``picklehooks::record(x, module, kind, path, flags)``: record ``x``.
+* ``picklehooks::record_state(values, module, kind, names, flags)``: record
+  parameters or buffers (``names`` comma-joined).
+* ``picklehooks::watch(params, module, names, flags)``: attach, once per
+  parameter and owner, a post-accumulate-grad hook that records
+  ``param_grad``. Tensor hooks are never pickled and can't be attached from
+  TorchScript or a graph, but the kernel gets the parameters themselves
+  (except Inductor's converted Conv2d weights, which is why ``instrument()``
+  attaches them too).
+
+Gradients need an op in the dataflow, whose autograd formula sees them:
+
+* ``picklehooks::tap(x, module, kind, path, flags)``: returns a copy of ``x``;
+  its gradient goes through ``tap_grad``, which records it as ``"grad_" + kind``.
+  That is how gradients are captured where backward hooks are not supported
+  (TorchScript, export).
 * ``picklehooks::tap_grad(g, module, kind, path, flags)``: record ``g``.
-* ``picklehooks::tap_state(x, values, module, kind, names, flags)``: record
-  parameters or buffers (``names`` comma-joined), threaded through ``x`` so that FX and export
-  don't drop the read of a buffer.
-* ``picklehooks::watch_grads(x, params, module, names, flags)``: attach, once
-  per parameter, a post-accumulate-grad hook that records ``param_grad``.
-  Tensor hooks are never pickled and can't be attached from TorchScript or a
-  traced graph, but every backend hands this op's kernel the parameters
-  themselves (TorchScript, also after ``torch.jit.load``; FX; compile;
-  export), so the kernel attaches them: ``param_grad`` is recorded
-  wherever the model runs.
+* ``picklehooks::tap_state`` and ``picklehooks::watch_grads`` (copies threaded
+  through ``x``) are what earlier versions generated; they stay registered so
+  that models scripted or exported then still load and record.
 * ``picklehooks::range_enter(x, name)`` and ``picklehooks::range_exit(x,
   name)``: ``instrument(profile=True)``'s profiler ranges around a module's
   forward, threaded through its first tensor input and its output so that
@@ -33,12 +38,14 @@ backward hooks are not supported (TorchScript, export).
   tensor hook zeroing its gradient.
 
 ``flags`` bits: :data:`VALUE`, :data:`GRAD`, :data:`STATS`, :data:`TENSOR`,
-:data:`PARAM_GRAD`, :data:`GUARD`.
+:data:`PARAM_GRAD`, :data:`GUARD`, :data:`COUNTED`; a gradient tap's site
+number sits above them (see ``_tap_setup``).
 
 Limits: the ops are registered when picklehooks is imported; a process that
 loads a scripted or exported instrumented model must import picklehooks
-first. The copy costs one memory pass per recorded tensor in traced graphs;
-eager hooks skip the op entirely while nothing records.
+first. Gradient capture costs one copy per tapped tensor in graphs, and that
+copy can move Inductor's fusion boundaries (gradients then differ in the last
+bits); eager hooks skip the ops entirely while nothing records.
 """
 
 from __future__ import annotations
