@@ -19,6 +19,7 @@ exist; readers see the old log or the new one, never a mix.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -52,7 +53,9 @@ def _from_json_float(value):
     return _NONFINITE.get(value, value) if isinstance(value, str) else value
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+@functools.lru_cache(maxsize=None)
+def dtype_name(dtype: torch.dtype) -> str:
+    """How records name a dtype: ``"float32"``."""
     return str(dtype).replace("torch.", "")
 
 
@@ -177,9 +180,9 @@ def _load_tensors(where: str, rows: list[dict], listed) -> list[torch.Tensor | N
     tensors: list[torch.Tensor | None] = [None] * len(rows)
     for key, tensor in stored.items():
         i, row = int(key), rows[int(key)]
-        if row["shape"] != list(tensor.shape) or row["dtype"] != _dtype_name(tensor.dtype):
+        if row["shape"] != list(tensor.shape) or row["dtype"] != dtype_name(tensor.dtype):
             raise PicklehooksError(
                 f"{tensor_file!r}: the tensor of record {i} ({row['module']!r} {row['kind']}) is "
-                f"{_dtype_name(tensor.dtype)}{list(tensor.shape)}, but the record says {row['dtype']}{row['shape']}")
+                f"{dtype_name(tensor.dtype)}{list(tensor.shape)}, but the record says {row['dtype']}{row['shape']}")
         tensors[i] = tensor
     return tensors

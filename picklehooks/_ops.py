@@ -103,7 +103,7 @@ _SITES = itertools.count()
 _SITE_SHIFT, _SITE_MODULUS = 16, 1 << 40
 
 #: Attribute instrument() sets on each watched parameter: ((module, name), ...) of its owners.
-OWNERS_ATTR = "_picklehooks_owners"
+_OWNERS_ATTR = "_picklehooks_owners"
 
 # Watched parameters -> {(module, name): hook handle}; weak so models can be freed.
 # A parameter may have several owners: a tied weight (GPT-2's lm_head and wte)
@@ -111,15 +111,19 @@ OWNERS_ATTR = "_picklehooks_owners"
 _WATCHED = WeakIdKeyDictionary()
 
 
-def watch_grads(module: str, names: list[str], params: list, flags: int) -> None:
+def watch_grads(module: str, names: list[str], params: list, flags: int, *, claim: bool = False) -> None:
     """Record each parameter's gradient as ``param_grad`` of ``module`` once it is accumulated.
 
     Attached once per (parameter, module, name). Only the parameter itself can
     carry the hook: a copy (as Inductor hands a Conv2d weight it converted to
     channels-last) is skipped, which is why ``instrument()`` also attaches
-    these hooks itself, outside any graph.
+    these hooks itself, outside any graph, with ``claim=True``: that names
+    ``module`` as an owner on the parameter, for later :func:`watch_grads`
+    calls in a process that loads the model.
     """
     for name, param in zip(names, params):
+        if claim and param is not None and (module, name) not in param.__dict__.get(_OWNERS_ATTR, ()):
+            param.__dict__[_OWNERS_ATTR] = (*param.__dict__.get(_OWNERS_ATTR, ()), (module, name))
         if param is None or not param.requires_grad or not param.is_leaf:
             continue
         owners = _WATCHED.get(param)
@@ -128,7 +132,7 @@ def watch_grads(module: str, names: list[str], params: list, flags: int) -> None
         # Every owner instrument() named on the parameter (it travels with the parameter
         # through pickle and torch.package), so that a tied weight is recorded under an
         # owner that never runs in a loaded model (T5's shared embedding) too.
-        for key in [(module, name), *param.__dict__.get(OWNERS_ATTR, ())]:
+        for key in [(module, name), *param.__dict__.get(_OWNERS_ATTR, ())]:
             if key not in owners:
                 owners[key] = param.register_post_accumulate_grad_hook(functools.partial(_deliver_grad, *key, flags))
 
@@ -140,12 +144,21 @@ def _deliver_grad(module: str, name: str, flags: int, p: torch.Tensor) -> None:
 
 
 def unwatch_grads(params, module: str | None = None) -> None:
-    """Remove the hooks :func:`watch_grads` attached to these parameters (for ``module``, or all)."""
+    """Remove the hooks :func:`watch_grads` attached to these parameters, and the owner
+    names it put on them (for ``module``, or all)."""
+    def mine(key: tuple) -> bool:
+        return module is None or key[0] == module
+
     for param in params:
+        kept = tuple(key for key in param.__dict__.get(_OWNERS_ATTR, ()) if not mine(key))
+        if kept:
+            param.__dict__[_OWNERS_ATTR] = kept
+        else:
+            param.__dict__.pop(_OWNERS_ATTR, None)
         owners = _WATCHED.get(param)
         if not owners:
             continue
-        for key in [k for k in owners if module is None or k[0] == module]:
+        for key in [k for k in owners if mine(k)]:
             owners.pop(key).remove()
         if not owners:
             del _WATCHED[param]

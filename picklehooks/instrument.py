@@ -73,12 +73,6 @@ class Instrumentation:
             module.__dict__.pop(_NAME_ATTR, None)
         for name, module in self._watching.items():
             _ops.unwatch_grads(module.parameters(recurse=False), name)
-            for p in module.parameters(recurse=False):
-                owners = tuple(o for o in p.__dict__.get(_ops.OWNERS_ATTR, ()) if o[0] != name)
-                if owners:
-                    p.__dict__[_ops.OWNERS_ATTR] = owners
-                else:
-                    p.__dict__.pop(_ops.OWNERS_ATTR, None)
         self.modules.clear()
         self._watching.clear()
 
@@ -344,11 +338,7 @@ def instrument(
                 # copies), and a module that is never called (MHA reads out_proj.weight
                 # directly; a ParameterList) runs no hook at all.
                 own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
-                for n, p in own:
-                    owners = p.__dict__.setdefault(_ops.OWNERS_ATTR, ())
-                    if (name, n) not in owners:
-                        p.__dict__[_ops.OWNERS_ATTR] = (*owners, (name, n))
-                _ops.watch_grads(name, [n for n, _ in own], [p for _, p in own], state_flags)
+                _ops.watch_grads(name, [n for n, _ in own], [p for _, p in own], state_flags, claim=True)
                 handle._watching[name] = module
             if type(module).forward is nn.Module.forward:
                 handle.skipped[name] = (f"{type(module).__name__} has no forward of its own (a container); it is "

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 from typing import Any, Iterator
 
 import torch
 
 from . import _logfile, _state
+from ._logfile import dtype_name
 from ._jacobian import hutchinson
 from ._ops import STATS, TENSOR
 from ._stats import EMPTY, PAD, STAT_NAMES, finish, matrix_stats
@@ -141,11 +141,6 @@ class _Pending:
 
 # Rows recorded per (device, dtype, shape) by the last log, to size the next log's groups.
 _CAPACITY: dict[tuple, int] = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _stats_dict(shape: tuple, dtype: str, values) -> dict:
@@ -265,7 +260,7 @@ class Log:
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
         live, x = x, x.detach()
         rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                     shape=tuple(x.shape), dtype=_dtype_name(x.dtype), rank=self.rank)
+                     shape=tuple(x.shape), dtype=dtype_name(x.dtype), rank=self.rank)
         self.records.append(rec)
         if self.keep_graph:
             rec.live = live

@@ -185,3 +185,21 @@ def test_another_threads_gradients_stay_out(form):
         other_done.wait(30)
     worker.join(30)
     assert other_done.is_set() and len(log) == 0, [r.key for r in log.records]
+
+
+def test_remove_takes_the_gradient_hooks_and_owner_names_away():
+    """After remove(), a tied weight carries no owner names and records nothing; a second handle keeps its own."""
+    args = zoo.inputs("Tied")
+    model = zoo.build("Tied")
+    first = picklehooks.instrument(model, modules=["emb"], capture="param_grad")
+    second = picklehooks.instrument(model, modules=["head"], capture="param_grad")
+    first.remove()
+    assert model.emb.weight.__dict__.get("_picklehooks_owners") == (("head", "weight"),)
+    with picklehooks.record() as log:
+        model(*args).sum().backward()
+    assert [r.key for r in log.records] == [("head", "param_grad", "weight", 0)]
+    second.remove()
+    assert "_picklehooks_owners" not in model.emb.weight.__dict__
+    with picklehooks.record() as log:
+        model(*args).sum().backward()
+    assert len(log) == 0
