@@ -1,29 +1,53 @@
 """Benchmark of ``picklehooks.instrument`` + ``record()``: what logging costs, next to the alternatives.
 
-Run from the repository root (about two minutes on an idle CPU)::
+Run from the repository root (several minutes on an idle CPU with the default rounds)::
 
-    .venv/bin/python bench/bench_logging.py              # default: 25 interleaved rounds
-    .venv/bin/python bench/bench_logging.py --rounds 9   # quicker, noisier
+    .venv/bin/python bench/bench_logging.py                          # all sections, 25 interleaved rounds
+    .venv/bin/python bench/bench_logging.py --rounds 3 --only mlp    # a quick, noisy check
+    .venv/bin/python bench/bench_logging.py --only hf,script         # some sections only
+    .venv/bin/python bench/bench_logging.py --device cuda            # models and inputs on the GPU
 
-It prints Markdown tables (progress goes to stderr). Every figure comes from
-this one run, on this machine, single-threaded CPU (``torch.set_num_threads(1)``);
-nothing is asserted, the targets are printed next to the figures.
+It prints Markdown tables (progress goes to stderr), headed by a line naming
+the machine (CPU model, cores, torch version, threads, device), the method
+and the date. Every figure comes from this one run, on this machine,
+single-threaded (``torch.set_num_threads(1)``, so on the CPU the compute runs
+in the benchmarking thread); nothing is asserted, the targets are printed next
+to the figures and marked met or not met.
 
-Models:
+Sections (``--only`` takes a comma-separated subset; default all):
 
-* **MLP**: ``nn.Sequential`` of 12 x (Linear(256, 256), LayerNorm(256), GELU):
+* ``mlp``: ``nn.Sequential`` of 12 x (Linear(256, 256), LayerNorm(256), GELU):
   36 modules besides the root; batch 32.
-* **Transformer**: ``nn.Sequential`` of 2 x ``nn.TransformerEncoderLayer(d_model=64,
+* ``transformer``: ``nn.Sequential`` of 2 x ``nn.TransformerEncoderLayer(d_model=64,
   nhead=4, batch_first=True, dropout=0.0)``; batch 8, sequence 16. Kept in
   training mode so that the plain and the hooked models run the same Python
   code (in eval mode under no_grad PyTorch may take a fused fast path).
-  Instrumented with default settings; the table below it lists modules that
-  were chosen but produced no record.
+  Instrumented with default settings; the line below its table lists modules
+  that were chosen but produced no record.
+* ``hf``: tiny Hugging Face models built from configs with ``transformers``
+  (no downloads; skipped with a message where it is not installed), eval mode
+  (no dropout), eager attention, no KV cache: GPT-2 (2 layers, n_embd 64,
+  4 heads, vocabulary 1000, 64 positions) and Llama (2 layers, hidden 64,
+  intermediate 128, 4 heads, 2 key/value heads, vocabulary 1000); input ids
+  of batch 4 x sequence 32; forward+backward of
+  ``model(input_ids=ids, labels=ids).loss``.
+* ``script``: the MLP under TorchScript: ``torch.jit.script`` of the plain
+  model against ``torch.jit.script`` of the model instrumented with
+  ``scriptable=True`` (the baseline here is the scripted plain model).
+* ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
+  for the old ``log_forward_pass``; it saves every activation by default), MLP
+  forward only, on the CPU whatever ``--device`` says. It wraps torch's
+  functions on its first call and leaves them wrapped, so it runs in a last
+  phase of its own; that phase also times the plain model again, with torch
+  wrapped.
 
 Workloads: **forward** (under ``torch.no_grad()``) and **forward+backward**
-(``model(x).sum().backward()``, then ``zero_grad(set_to_none=True)``).
+(``loss(model(x)).backward()``, then ``zero_grad(set_to_none=True)``; the loss
+is ``.sum()`` of the output, or an HF model's ``.loss``). The HF section runs
+forward+backward only.
 
-Variants, each on its own deep copy of the same initial model:
+Variants of ``mlp`` and ``transformer``, each on its own deep copy of the same
+initial model:
 
 1. un-instrumented (the baseline every ratio divides by);
 1b. a forward hook that does nothing on every module: the floor that any
@@ -41,37 +65,81 @@ Variants, each on its own deep copy of the same initial model:
    forward hook per module computing mean, std, min, max, absmax, norm, nan,
    inf, zero_frac (in float64, like picklehooks) with one ``.item()`` each,
    and a full backward hook (``register_full_backward_hook``) doing the same
-   for the gradient of the output;
-6. TorchLens (``torchlens.trace(model, x)``, its current name for the old
-   ``log_forward_pass``; it saves every activation by default), MLP forward
-   only. It wraps torch's functions on its first call and leaves them wrapped,
-   so it runs in a last phase of its own; that phase also times the plain
-   model again, with torch wrapped.
+   for the gradient of the output.
 
-Method: a sample times ``n`` consecutive calls (``n`` chosen so the baseline
-sample takes about 20 ms); each round takes one sample of every variant, in an
-order that rotates each round; the garbage collector is off while sampling.
-Reported: per-call medians, ratio of medians to the baseline, and ratio of
-minimums (other work on the machine only ever adds time).
+Variants of ``hf``: 1, 2 and 3 above. Variants of ``script``: the scripted
+plain model (baseline), the scripted instrumented model not recording, the
+same under ``record()`` with its statistics read (no target), and the eager
+plain model (for reference).
+
+Targets (judged on the thread-time ratio, on the wall ratio with ``--device cuda``):
+recording stats including reading them ≤ 1.30× on all four MLP and
+transformer workloads; instrumented, not recording ≤ 1.05× there;
+``mode="tensor"`` ≤ 1.35× there; recording stats (+ reading them) ≤ 1.5× on
+tiny GPT-2 and Llama forward+backward; the scripted instrumented MLP, not
+recording, ≤ 1.10× of the scripted plain MLP, forward and forward+backward.
+
+Method: every sample times ``n`` consecutive calls (``n`` chosen so the
+baseline sample takes about 20 ms of wall clock) on two clocks at once: the
+CPU time of the benchmarking thread (``time.thread_time``) and the wall clock
+(``time.perf_counter``). Each round takes one sample of every variant, in an
+order that rotates each round; the garbage collector is off while sampling
+(and collects between rounds). Reported per variant: the median per call
+(thread time), the ratio of medians to the baseline on both clocks side by
+side, and the ratio of minimums on both clocks (other work on the machine only
+ever adds time). Thread time is the primary figure: on the shared machine
+these benches run on, other processes move the wall clock ratios by about
+±0.1× from run to run, while they barely touch the CPU time this thread gets.
+With ``--device cuda`` every sample ends with ``torch.cuda.synchronize()``
+(once per sample, not per call); thread time then counts only this thread's
+host work (Python, hooks, kernel launches; autograd's backward runs in a
+device thread of its own), so there the wall ratio is the figure to read.
+
+Only picklehooks' public API is used (``picklehooks.instrument``,
+``picklehooks.record``, ``log.records``, ``Record.stats``), so the bench keeps
+working while the internals change.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import gc
+import os
+import platform
 import statistics
 import sys
 import time
 import warnings
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 import picklehooks
 
-TARGETS = {"instrumented, not recording": 1.10, "recording stats (+ reading them)": 1.5}
+SECTIONS = ("mlp", "transformer", "hf", "script", "torchlens")
+
+BASE = "un-instrumented"
+NOOP = "no-op forward hook on every module (floor)"
+QUIET = "instrumented, not recording"
+COPY = "hooks that only copy every output and gradient (floor)"
+STATS = "recording stats (+ reading them)"
+TENSOR = "recording tensors (mode=\"tensor\")"
+NAIVE = "hand-written closure hooks (.item() stats)"
+S_BASE = "scripted plain model"
+S_QUIET = "scripted instrumented (scriptable=True), not recording"
+S_STATS = "scripted instrumented, recording stats (+ reading them)"
+S_EAGER = "eager plain model (reference)"
+
+# Targets of issue 12, by group of tables; a table's variants not named here have none.
+TARGETS: dict[str, dict[str, float]] = {
+    "eager": {QUIET: 1.05, STATS: 1.30, TENSOR: 1.35},
+    "hf": {STATS: 1.5},
+    "script": {S_QUIET: 1.10},
+}
 
 
 def progress(msg: str) -> None:
@@ -94,6 +162,46 @@ def make_transformer() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.TransformerEncoderLayer(64, 4, batch_first=True, dropout=0.0) for _ in range(2)))
     return model, torch.randn(8, 16, 64)
+
+
+def make_hf(name: str) -> tuple[nn.Module, torch.Tensor]:
+    """A tiny GPT-2 or Llama from a config (the builder of tests/hf_models.py, with the sizes of this bench)."""
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    common = {"attn_implementation": "eager", "bos_token_id": 0, "eos_token_id": 0}
+    if name == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
+                                                 **common))
+    elif name == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                                   max_position_embeddings=64, **common))
+    else:
+        raise ValueError(name)
+    model.config.use_cache = False  # no KV cache to build and return
+    model.loss_type = "ForCausalLM"  # named, so HF doesn't warn about guessing it
+    ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(1))
+    return model.eval(), ids  # eval: no dropout, every variant computes the same thing
+
+
+@dataclass
+class Task:
+    """A model and how one step calls it: ``forward(model)`` and ``loss(output)``."""
+    model: nn.Module
+    forward: Callable[[nn.Module], Any]
+    loss: Callable[[Any], torch.Tensor]
+    instrument_kwargs: dict = field(default_factory=dict)  # the example call instrument() observes
+
+
+def tensor_task(model: nn.Module, x: torch.Tensor) -> Task:
+    return Task(model, lambda m: m(x), lambda out: out.sum(), {"example_inputs": (x,)})
+
+
+def hf_task(model: nn.Module, ids: torch.Tensor) -> Task:
+    kwargs = {"input_ids": ids, "labels": ids}
+    return Task(model, lambda m: m(**kwargs), lambda out: out.loss, {"example_kwargs": kwargs})
 
 
 # -- the hand-written alternative -----------------------------------------------------------------
@@ -161,15 +269,35 @@ def add_copy_hooks(model: nn.Module, store: list) -> None:
 
 # -- timing ---------------------------------------------------------------------------------------
 
-def workload(model: nn.Module, x: torch.Tensor, backward: bool) -> Callable[[], None]:
+Times = dict[str, dict[str, list[float]]]  # variant -> clock ("thread", "wall") -> per-call seconds
+CLOCKS = ("thread", "wall")
+
+
+@dataclass
+class Setup:
+    """What every measurement shares: where the models run and which clock judges the targets."""
+    device: torch.device
+    rounds: int
+
+    @property
+    def sync(self) -> Callable[[], None] | None:
+        return torch.cuda.synchronize if self.device.type == "cuda" else None
+
+    @property
+    def judge(self) -> str:
+        return "wall" if self.device.type == "cuda" else "thread"
+
+
+def workload(model: nn.Module, task: Task, backward: bool) -> Callable[[], None]:
+    forward, loss = task.forward, task.loss
     if backward:
         def run():
-            model(x).sum().backward()
+            loss(forward(model)).backward()
             model.zero_grad(set_to_none=True)
     else:
         def run():
             with torch.no_grad():
-                model(x)
+                forward(model)
     return run
 
 
@@ -182,29 +310,41 @@ def recording(run: Callable[[], None], read_stats: bool) -> Callable[[], None]:
     return rec
 
 
-def sample(fn: Callable[[], None], n: int) -> float:
-    start = time.perf_counter()
+def sample(fn: Callable[[], None], n: int, sync: Callable[[], None] | None) -> tuple[float, float]:
+    """Per-call (thread CPU time, wall clock) of ``n`` consecutive calls; on CUDA one sync at the end."""
+    t0 = time.thread_time()
+    w0 = time.perf_counter()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - start) / n
+    if sync is not None:
+        sync()
+    w1 = time.perf_counter()
+    t1 = time.thread_time()
+    return (t1 - t0) / n, (w1 - w0) / n
 
 
-def measure(variants: dict[str, Callable[[], None]], rounds: int, budget_s: float = 0.02) -> dict[str, list[float]]:
-    """Per-call times of every variant, ``rounds`` samples each, interleaved in rotating order."""
+def measure(variants: dict[str, Callable[[], None]], setup: Setup, rounds: int | None = None,
+            budget_s: float = 0.02, warmup: int = 3) -> Times:
+    """Per-call times of every variant on both clocks, ``rounds`` samples each, interleaved in rotating order."""
+    rounds = setup.rounds if rounds is None else rounds
     names = list(variants)
-    for fn in variants.values():  # warm-up (allocator, lazy init)
-        for _ in range(3):
+    for fn in variants.values():  # warm-up (allocator, lazy init, TorchScript's profiling runs)
+        for _ in range(warmup):
             fn()
-    base = min(sample(variants[names[0]], 5) for _ in range(3))
+    if setup.sync is not None:
+        setup.sync()
+    base = min(sample(variants[names[0]], 5, setup.sync)[1] for _ in range(3))
     n = max(1, round(budget_s / base))
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: Times = {name: {clock: [] for clock in CLOCKS} for name in names}
     gc_was = gc.isenabled()
     gc.disable()
     try:
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                times[name].append(sample(variants[name], n))
+                thread, wall = sample(variants[name], n, setup.sync)
+                times[name]["thread"].append(thread)
+                times[name]["wall"].append(wall)
             gc.collect()
     finally:
         if gc_was:
@@ -212,27 +352,64 @@ def measure(variants: dict[str, Callable[[], None]], rounds: int, budget_s: floa
     return times
 
 
-def table(title: str, times: dict[str, list[float]], base: str, notes: dict[str, str] | None = None) -> None:
-    notes = notes or {}
-    b_med, b_min = statistics.median(times[base]), min(times[base])
+def ratios(times: Times, base: str) -> dict[str, dict[str, float]]:
+    """Per variant: ratio of medians and of minimums to ``base``, on both clocks."""
+    out: dict[str, dict[str, float]] = {}
+    for name, clocks in times.items():
+        out[name] = {}
+        for clock in CLOCKS:
+            out[name][clock] = statistics.median(clocks[clock]) / statistics.median(times[base][clock])
+            out[name][f"{clock} min"] = min(clocks[clock]) / min(times[base][clock])
+    return out
+
+
+# For the closing summary: workload column -> variant -> (judged ratio, its target or None).
+SUMMARY: dict[str, dict[str, tuple[float, float | None]]] = {}
+
+
+def table(title: str, times: Times, base: str, setup: Setup, targets: dict[str, float] | None = None,
+          notes: dict[str, str] | None = None, summary: str | None = None) -> dict[str, dict[str, float]]:
+    targets, notes = targets or {}, notes or {}
+    r = ratios(times, base)
     print(f"\n#### {title}\n")
-    print("| variant | median per call | ratio (medians) | ratio (minimums) | target |")
-    print("|---|---:|---:|---:|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        target = TARGETS.get(name)
+    print("| variant | thread time per call | wall per call | thread-time ratio | wall ratio "
+          "| min-ratio (thread / wall) | target |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name, clocks in times.items():
+        target = targets.get(name)
         if target is not None:
-            target_cell = f"≤ {target:.2f}× ({'met' if med / b_med <= target else 'missed'})"
+            verdict = "met" if r[name][setup.judge] <= target else "not met"
+            target_cell = f"≤ {target:.2f}× ({verdict})"
+            if notes.get(name):
+                target_cell += f"; {notes[name]}"
         else:
             target_cell = notes.get(name, "")
-        print(f"| {name} | {med * 1e3:.3f} ms | {med / b_med:.2f}× | {min(ts) / b_min:.2f}× | {target_cell} |")
+        print(f"| {name} | {statistics.median(clocks['thread']) * 1e3:.3f} ms "
+              f"| {statistics.median(clocks['wall']) * 1e3:.3f} ms "
+              f"| {r[name]['thread']:.2f}× | {r[name]['wall']:.2f}× "
+              f"| {r[name]['thread min']:.2f}× / {r[name]['wall min']:.2f}× | {target_cell} |")
+        if summary is not None:
+            SUMMARY.setdefault(summary, {})[name] = (r[name][setup.judge], target)
+    return r
 
 
-# -- main -----------------------------------------------------------------------------------------
+# -- sections -------------------------------------------------------------------------------------
 
-def picklehooks_variants(model: nn.Module, x: torch.Tensor, backward: bool) -> tuple[dict, dict]:
+def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple[dict, dict]:
+    """The variants on deep copies of ``task.model``; ``full=False``: only plain, not recording, recording stats."""
+    model = task.model
     plain = copy.deepcopy(model)
     stats_model = copy.deepcopy(model)
+    handle = picklehooks.instrument(stats_model, **task.instrument_kwargs)
+    variants = {
+        BASE: workload(plain, task, backward),
+        QUIET: workload(stats_model, task, backward),
+        STATS: recording(workload(stats_model, task, backward), read_stats=True),
+    }
+    extra: dict = {"handle": handle, "model": stats_model, "store": None, "naive_work": None}
+    if not full:
+        return variants, extra
+
     tensor_model = copy.deepcopy(model)
     naive_model = copy.deepcopy(model)
     noop_model = copy.deepcopy(model)
@@ -240,58 +417,123 @@ def picklehooks_variants(model: nn.Module, x: torch.Tensor, backward: bool) -> t
     for name, module in noop_model.named_modules():
         if name:
             module.register_forward_hook(noop_hook)
-    handle = picklehooks.instrument(stats_model, example_inputs=(x,))
-    picklehooks.instrument(tensor_model, mode="tensor", example_inputs=(x,))
+    picklehooks.instrument(tensor_model, mode="tensor", **task.instrument_kwargs)
     store: list = []
     add_naive_hooks(naive_model, store)
     copies: list = []
     add_copy_hooks(copy_model, copies)
-    copy_work = workload(copy_model, x, backward)
+    copy_work = workload(copy_model, task, backward)
 
     def copy_run():
         copy_work()
         copies.clear()
 
-    naive_work = workload(naive_model, x, backward)
+    naive_work = workload(naive_model, task, backward)
 
     def naive_run():
         naive_work()
         store.clear()
 
     variants = {
-        "un-instrumented": workload(plain, x, backward),
-        "no-op forward hook on every module (floor)": workload(noop_model, x, backward),
-        "instrumented, not recording": workload(stats_model, x, backward),
-        "hooks that only copy every output and gradient (floor)": copy_run,
-        "recording stats (+ reading them)": recording(workload(stats_model, x, backward), read_stats=True),
-        "recording tensors (mode=\"tensor\")": recording(workload(tensor_model, x, backward), read_stats=False),
-        "hand-written closure hooks (.item() stats)": naive_run,
+        BASE: variants[BASE],
+        NOOP: workload(noop_model, task, backward),
+        QUIET: variants[QUIET],
+        COPY: copy_run,
+        STATS: variants[STATS],
+        TENSOR: recording(workload(tensor_model, task, backward), read_stats=False),
+        NAIVE: naive_run,
     }
-    return variants, {"handle": handle, "model": stats_model, "store": store, "naive_work": naive_work}
+    extra.update(store=store, naive_work=naive_work)
+    return variants, extra
 
 
-def coverage(name: str, model: nn.Module, x: torch.Tensor, handle, extra: dict) -> None:
+def coverage(name: str, task: Task, extra: dict) -> None:
     """What one recorded forward+backward captured, and which chosen modules gave nothing."""
+    model, handle = extra["model"], extra["handle"]
     with picklehooks.record() as log:
-        model(x).sum().backward()
+        task.loss(task.forward(model)).backward()
     model.zero_grad(set_to_none=True)
-    extra["store"].clear()
-    extra["naive_work"]()
-    naive_records = len(extra["store"])
-    extra["store"].clear()
+    naive = ""
+    if extra["naive_work"] is not None:
+        extra["store"].clear()
+        extra["naive_work"]()
+        naive = f"; hand-written hooks: {len(extra['store'])} stats per forward+backward"
+        extra["store"].clear()
     seen = {r.module for r in log.records}
     silent = [m for m in handle.modules if m not in seen]
     kinds = {k: sum(1 for r in log.records if r.kind == k) for k in ("output", "grad_output")}
     print(f"\n{name}: {len(handle.modules)} modules instrumented, "
           f"{len(log.records)} records per forward+backward ({kinds['output']} output, "
-          f"{kinds['grad_output']} grad_output); hand-written hooks: {naive_records} stats per forward+backward.")
+          f"{kinds['grad_output']} grad_output){naive}.")
     if handle.skipped:
-        print(f"Skipped by instrument(): {handle.skipped}")
+        print(f"Skipped by instrument(): {', '.join(handle.skipped)}")
     if silent:
         print(f"Chosen but never recorded (their forward() is not called): {', '.join(silent)}")
 
 
-def torchlens_phase(model: nn.Module, x: torch.Tensor, rounds: int, baseline: list[float]) -> None:
+def eager_section(label: str, short: str, make, setup: Setup) -> dict[str, list[float]] | None:
+    """The MLP or transformer, forward and forward+backward; returns the forward baseline's times."""
+    model, x = make()
+    task = tensor_task(model.to(setup.device), x.to(setup.device))
+    forward_baseline = None
+    for backward in (False, True):
+        phase = f"{label}, {'forward+backward' if backward else 'forward (no_grad)'}"
+        progress(f"measuring: {phase}")
+        variants, extra = picklehooks_variants(task, backward)
+        times = measure(variants, setup)
+        table(phase, times, BASE, setup, TARGETS["eager"],
+              summary=f"{short} {'fwd+bwd' if backward else 'fwd'}")
+        if backward:
+            coverage(label, task, extra)
+        else:
+            forward_baseline = times[BASE]
+    return forward_baseline
+
+
+def hf_section(setup: Setup) -> None:
+    try:
+        import transformers
+    except ImportError:
+        print("\nTiny Hugging Face models: transformers is not installed (pip install transformers), skipped.")
+        return
+    for name, label in (("gpt2", "tiny GPT-2 (2 layers, n_embd 64)"),
+                        ("llama", "tiny Llama (2 layers, hidden 64, GQA 4/2 heads)")):
+        model, ids = make_hf(name)
+        task = hf_task(model.to(setup.device), ids.to(setup.device))
+        phase = (f"{label}, transformers {transformers.__version__}, input ids 4 x 32, "
+                 "forward+backward of .loss")
+        progress(f"measuring: {phase}")
+        variants, extra = picklehooks_variants(task, backward=True, full=False)
+        times = measure(variants, setup)
+        table(phase, times, BASE, setup, TARGETS["hf"], summary=f"{name} fwd+bwd")
+        coverage(label, task, extra)
+
+
+def script_section(setup: Setup) -> None:
+    model, x = make_mlp()
+    model, x = model.to(setup.device), x.to(setup.device)
+    task = tensor_task(model, x)
+    for backward in (False, True):
+        phase = f"MLP under TorchScript, {'forward+backward' if backward else 'forward (no_grad)'}"
+        progress(f"measuring: {phase}")
+        plain = torch.jit.script(copy.deepcopy(model))
+        hooked = copy.deepcopy(model)
+        handle = picklehooks.instrument(hooked, scriptable=True, example_inputs=(x,))
+        scripted = torch.jit.script(hooked)
+        variants = {
+            S_BASE: workload(plain, task, backward),
+            S_QUIET: workload(scripted, task, backward),
+            S_STATS: recording(workload(scripted, task, backward), read_stats=True),
+            S_EAGER: workload(copy.deepcopy(model), task, backward),
+        }
+        # TorchScript's profiling executor specialises the graph over the first calls: warm up longer.
+        times = measure(variants, setup, warmup=10)
+        table(phase, times, S_BASE, setup, TARGETS["script"], summary=f"script {'fwd+bwd' if backward else 'fwd'}")
+        if handle.skipped:
+            print(f"\nSkipped by instrument(scriptable=True): {', '.join(handle.skipped)}")
+
+
+def torchlens_phase(setup: Setup, baseline: dict[str, list[float]] | None) -> None:
     try:
         import torchlens
     except ImportError:
@@ -301,8 +543,16 @@ def torchlens_phase(model: nn.Module, x: torch.Tensor, rounds: int, baseline: li
     trace = getattr(torchlens, "trace", None)
     if trace is None:  # before 2.0 the capture verb was log_forward_pass
         trace = torchlens.log_forward_pass
+    model, x = make_mlp()  # CPU only, whatever --device says
+    cpu = Setup(torch.device("cpu"), setup.rounds)
+    task = tensor_task(model, x)
     plain = copy.deepcopy(model)
     lens_model = copy.deepcopy(model)
+    before = "un-instrumented (main phase, before TorchLens)"
+    if baseline is None:  # the MLP section did not run on the CPU: time the plain model before torch is wrapped
+        progress("torchlens: plain MLP forward on the CPU, before TorchLens")
+        before = "un-instrumented (this phase, before TorchLens)"
+        baseline = measure({before: workload(plain, task, False)}, cpu, max(5, cpu.rounds // 2))[before]
 
     def lens():
         with torch.no_grad():
@@ -312,45 +562,118 @@ def torchlens_phase(model: nn.Module, x: torch.Tensor, rounds: int, baseline: li
     start = time.perf_counter()
     lens()
     first = time.perf_counter() - start
-    times = measure({"un-instrumented, torch wrapped by TorchLens": workload(plain, x, False),
-                     f"TorchLens {version} trace() (saves every activation)": lens}, max(5, rounds // 2))
-    times = {"un-instrumented (main phase, before TorchLens)": baseline, **times}
-    table("MLP, forward: TorchLens (last phase; ratios against the main phase's baseline)", times,
-          "un-instrumented (main phase, before TorchLens)",
-          notes={f"TorchLens {version} trace() (saves every activation)": f"first call: {first * 1e3:.0f} ms"})
+    lens_name = f"TorchLens {version} trace() (saves every activation)"
+    times = measure({"un-instrumented, torch wrapped by TorchLens": workload(plain, task, False), lens_name: lens},
+                    cpu, max(5, cpu.rounds // 2))
+    times = {before: baseline, **times}
+    r = table("MLP, forward, CPU: TorchLens (last phase; ratios against the un-instrumented model before TorchLens)",
+              times, before, cpu, notes={lens_name: f"first call: {first * 1e3:.0f} ms"})
+    if "MLP fwd" in SUMMARY and setup.device.type == "cpu":
+        SUMMARY["MLP fwd"][f"{lens_name}, last phase"] = (r[lens_name][cpu.judge], None)
+
+
+def summary(setup: Setup) -> None:
+    """One table of the judged ratios, variants by workload, as the README quotes them."""
+    if len(SUMMARY) < 2:
+        return
+    columns = list(SUMMARY)
+    variants: list[str] = []
+    for col in columns:
+        variants += [v for v in SUMMARY[col] if v not in variants]
+    clock = "thread-time" if setup.judge == "thread" else "wall"
+    print(f"\n#### Summary: {clock} ratios of medians (✓ target met, ✗ not met)\n")
+    print(f"| variant | {' | '.join(columns)} | target |")
+    print("|---|" + "---:|" * len(columns) + "---|")
+    for v in variants:
+        cells, goals = [], {}
+        for c in columns:
+            if v not in SUMMARY[c]:
+                cells.append("")
+                continue
+            ratio, target = SUMMARY[c][v]
+            mark = "" if target is None else (" ✓" if ratio <= target else " ✗")
+            cells.append(f"{ratio:.2f}×{mark}")
+            if target is not None:
+                goals.setdefault(target, []).append(c)
+        goal = "; ".join(f"≤ {t:.2f}× ({', '.join(cs)})" if len(goals) > 1 else f"≤ {t:.2f}×"
+                         for t, cs in goals.items())
+        print(f"| {v} | {' | '.join(cells)} | {goal} |")
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def header(setup: Setup, sections: list[str]) -> None:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    device = "CPU"
+    if setup.device.type == "cuda":
+        device = f"CUDA ({torch.cuda.get_device_name(setup.device)})"
+    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    print("### picklehooks logging overhead\n")
+    print(f"Machine: {cpu_model()}, {os.cpu_count()} cores ({usable} usable); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread (`torch.set_num_threads(1)`); device: {device}. "
+          f"Method: {setup.rounds} interleaved rounds in rotating order, per-call medians of thread CPU time "
+          f"(`time.thread_time`) and wall clock (`time.perf_counter`), garbage collector off while sampling; "
+          f"ratios to each table's baseline in the same run. Sections: {', '.join(sections)}. Date: {date}.\n")
+    if setup.device.type == "cuda":
+        print("On CUDA each sample ends with one `torch.cuda.synchronize()`. Thread time counts only this thread's "
+              "host work (Python, hooks, kernel launches; not the GPU, nor autograd's device thread that runs "
+              "backward), so it means little here: targets are judged on the **wall ratio**.")
+    else:
+        print("Targets are judged on the **thread-time ratio**: other processes on this shared machine move the "
+              "wall ratios by about ±0.1× from run to run, and barely touch this thread's CPU time.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=25, help="interleaved samples per variant (default 25)")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]; TorchLens runs on the CPU")
     parser.add_argument("--no-torchlens", action="store_true", help="skip the TorchLens phase")
     args = parser.parse_args()
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or not sections:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {','.join(SECTIONS)}")
+    if args.no_torchlens and "torchlens" in sections:
+        sections.remove("torchlens")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available in this torch build or on this machine")
+    setup = Setup(device, args.rounds)
 
     torch.set_num_threads(1)
     # The first module's input needs no gradient, so its full backward hook fires on outputs only (as intended).
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     started = time.perf_counter()
-    print(f"### picklehooks logging overhead (torch {torch.__version__}, 1 CPU thread, "
-          f"{args.rounds} interleaved rounds, medians)")
-    mlp_forward_baseline: list[float] = []
-    for model_name, make in (("MLP (36 modules, batch 32)", make_mlp),
-                             ("Transformer (2 encoder layers, d_model 64, batch 8 x 16)", make_transformer)):
-        model, x = make()
-        for backward in (False, True):
-            phase = f"{model_name}, {'forward+backward' if backward else 'forward (no_grad)'}"
-            progress(f"measuring: {phase}")
-            variants, extra = picklehooks_variants(model, x, backward)
-            times = measure(variants, args.rounds)
-            table(phase, times, "un-instrumented")
-            if backward:
-                coverage(model_name, extra["model"], x, extra["handle"], extra)
-            elif make is make_mlp:
-                mlp_forward_baseline = times["un-instrumented"]
-    if not args.no_torchlens:
-        torchlens_phase(make_mlp()[0], make_mlp()[1], args.rounds, mlp_forward_baseline)
-    else:
-        print("\nTorchLens: skipped (--no-torchlens).")
-    print(f"\nTorchLens forward+backward: not measured (trace() logs a forward pass).")
+    header(setup, sections)
+    mlp_forward_baseline = None
+    if "mlp" in sections:
+        mlp_forward_baseline = eager_section("MLP (36 modules, batch 32)", "MLP", make_mlp, setup)
+    if "transformer" in sections:
+        eager_section("Transformer (2 encoder layers, d_model 64, batch 8 x 16)", "transformer", make_transformer,
+                      setup)
+    if "hf" in sections:
+        hf_section(setup)
+    if "script" in sections:
+        script_section(setup)
+    if "torchlens" in sections:
+        torchlens_phase(setup, mlp_forward_baseline if device.type == "cpu" else None)
+        print("\nTorchLens forward+backward: not measured (trace() logs a forward pass).")
+    summary(setup)
     progress(f"done in {time.perf_counter() - started:.0f} s")
 
 
