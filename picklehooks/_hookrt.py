@@ -42,14 +42,20 @@ _range_enter = torch.ops.picklehooks.range_enter
 _range_exit = torch.ops.picklehooks.range_exit
 
 
+_is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
+_is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_scripting() call
+_RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
+
+
 def _tracing() -> bool:
-    return torch.compiler.is_compiling() or _FX_SYMBOLIC() or torch.jit.is_tracing()
+    return _is_compiling() or _FX_SYMBOLIC() or _is_jit_tracing()
 
 
 def skip(flags: int = 0) -> bool:
     """True when an eager hook can return without doing anything (guards and profiler ranges never skip)."""
-    # _tracing() first: torch.compile can't trace the context variable behind idle().
-    return not flags & _ops.GUARD and not _tracing() and _state.idle()
+    # Tracing first: reading the recording state under torch.compile would guard on it,
+    # and recompile each time recording starts or stops.
+    return not (flags & _ops.GUARD or _tracing() or _RECORDING)
 
 
 def _join(path: str, key) -> str:

@@ -61,4 +61,4 @@ if __name__ != "picklehooks._state":
     except ImportError:
         pass
     else:
-        active, push, pop, idle = _host.active, _host.push, _host.pop, _host.idle
+        active, push, pop, idle, _ANYWHERE = _host.active, _host.push, _host.pop, _host.idle, _host._ANYWHERE

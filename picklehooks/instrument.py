@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _generate, _hookrt, _ops, codec
+from . import _generate, _hookdict, _hookrt, _ops, codec
 from ._shim import PicklehooksError, hub
 
 __all__ = ["instrument", "Instrumentation", "CAPTURE_KINDS", "MODES"]
@@ -64,6 +64,12 @@ class Instrumentation:
         self._handles: list[RemovableHandle] = []
         self._watching: dict[str, nn.Module] = {}  # modules whose parameters' gradients are watched
 
+    def _add(self, module: nn.Module, attr: str, handle: RemovableHandle, *, idle: bool = False) -> None:
+        """Keep ``handle``; ``idle``: the hook does nothing while nothing records (see :mod:`._hookdict`)."""
+        self._handles.append(handle)
+        if idle:
+            _hookdict.mark_idle(module, attr, handle)
+
     def remove(self) -> None:
         """Remove every hook and attribute this instrumentation added."""
         for handle in self._handles:
@@ -71,6 +77,7 @@ class Instrumentation:
         self._handles.clear()
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
+            _hookdict.restore(module)
         for name, module in self._watching.items():
             _ops.unwatch_grads(module.parameters(recurse=False), name)
         self.modules.clear()
@@ -368,20 +375,23 @@ def instrument(
                 )
             module.__dict__[_NAME_ATTR] = name
             handle.modules[name] = module
+            _hookdict.prepare(module)
             if (in_flags or params or buffers) and scriptable:
                 text = _generate.pre_hook_text(in_shapes, in_flags, state_flags, params, buffers)
-                handle._handles.append(module.register_forward_pre_hook(_hook(text)))
+                handle._add(module, "_forward_pre_hooks", module.register_forward_pre_hook(_hook(text)), idle=True)
             elif in_flags or params or buffers:
                 text = _generate.keyword_pre_hook_text(in_flags, state_flags, params, buffers)
-                handle._handles.append(module.register_forward_pre_hook(_hook(text), with_kwargs=True))
+                handle._add(module, "_forward_pre_hooks",
+                            module.register_forward_pre_hook(_hook(text), with_kwargs=True), idle=True)
             if out_flags:
                 text = _generate.forward_hook_text(in_shapes, out_shape, out_flags)
-                handle._handles.append(module.register_forward_hook(_hook(text)))
+                handle._add(module, "_forward_hooks", module.register_forward_hook(_hook(text)),
+                            idle=not out_flags & _generate.ALWAYS)
             if profile:
                 # always_call: an exception inside forward still closes the range (eager).
                 enter, exit_ = _generate.range_hook_texts(in_shapes, out_shape)
-                handle._handles.append(module.register_forward_pre_hook(_hook(enter)))
-                handle._handles.append(module.register_forward_hook(_hook(exit_), always_call=True))
+                handle._add(module, "_forward_pre_hooks", module.register_forward_pre_hook(_hook(enter)))
+                handle._add(module, "_forward_hooks", module.register_forward_hook(_hook(exit_), always_call=True))
     except BaseException:
         handle.remove()
         raise

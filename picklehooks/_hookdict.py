@@ -1,0 +1,119 @@
+"""Hook dictionaries that ``nn.Module`` sees as empty while nothing records: idle hooks cost nothing.
+
+``nn.Module._call_impl`` calls ``forward`` directly, skipping all of its hook
+machinery, when every hook dictionary of the module is falsy. ``instrument()``
+swaps a chosen module's ``_forward_hooks`` and ``_forward_pre_hooks`` for a
+:class:`HookDict`, which holds the same hooks but is falsy while
+
+* every hook in it is one of picklehooks' hooks that would return at once
+  anyway (:func:`picklehooks._hookrt.skip`: no guard, no profiler range), and
+* no log records anywhere in the process, and
+* nothing traces the model (``torch.compile``, ``torch.export``, FX,
+  ``torch.jit.trace``): a graph must contain the hooks' ops whatever the
+  recording state is when it later runs.
+
+A hook anyone else adds to the dictionary makes it truthy again. A
+:class:`HookDict` pickles and deep-copies as a plain ``OrderedDict``, so saved
+files never reference this class, and a model loaded elsewhere runs its hooks
+as usual (they return at once while nothing records).
+
+Limits: this relies on ``_call_impl`` testing the dictionaries' truth value
+(true from torch 1.x to at least 2.13). :func:`works` checks that behaviour
+once per process on a probe module; where it fails, ``instrument()`` keeps
+plain dictionaries (``tests/test_hookdict.py`` fails loudly too).
+Disable it with ``PICKLEHOOKS_IDLE_HOOKS=0``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections import OrderedDict
+
+import torch
+
+from . import _hookrt, _state
+
+_ANYWHERE = _state._ANYWHERE  # the logs recording in any thread; the same list object for the process
+
+
+class HookDict(OrderedDict):
+    """An ``OrderedDict`` of hooks whose truth value says whether ``nn.Module`` must run them now."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: Keys of the hooks that do nothing while idle (see the module docstring). Keys
+        #: removed from the dict may linger here: only keys present in the dict count.
+        self.idle_keys: set[int] = set()
+
+    def __bool__(self) -> bool:
+        if not len(self):
+            return False
+        # Tracing first: torch.compile must see the hooks whatever the recording state, and
+        # without a guard on it (reading _ANYWHERE would recompile when recording starts).
+        return _hookrt._tracing() or bool(_ANYWHERE) or not self.idle_keys.issuperset(self)
+
+    def __reduce__(self):
+        return (OrderedDict, (list(self.items()),))
+
+    def __copy__(self) -> OrderedDict:
+        return OrderedDict(self)
+
+    def __deepcopy__(self, memo) -> OrderedDict:
+        return OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self.items())
+
+
+_ATTRS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def prepare(module: torch.nn.Module) -> None:
+    """Swap ``module``'s empty forward hook dictionaries for :class:`HookDict`\\ s (before hooks are added).
+
+    A dictionary that already holds hooks is left alone: their handles refer
+    to it, and it would be truthy anyway.
+    """
+    if not works():
+        return
+    for attr in _ATTRS:
+        hooks = module.__dict__.get(attr)
+        if type(hooks) is OrderedDict and not hooks:
+            module.__dict__[attr] = HookDict()
+
+
+def mark_idle(module: torch.nn.Module, attr: str, handle) -> None:
+    """Let the hook behind ``handle`` (in ``module.<attr>``) be skipped while idle."""
+    hooks = module.__dict__.get(attr)
+    if isinstance(hooks, HookDict):
+        hooks.idle_keys.add(handle.id)
+
+
+def restore(module: torch.nn.Module) -> None:
+    """Put plain dictionaries back where a :class:`HookDict` is empty again (after ``remove()``)."""
+    for attr in _ATTRS:
+        hooks = module.__dict__.get(attr)
+        if isinstance(hooks, HookDict) and not dict.__len__(hooks):
+            module.__dict__[attr] = OrderedDict()
+
+
+class _Probe(OrderedDict):
+    truth = False
+
+    def __bool__(self) -> bool:
+        return self.truth
+
+
+@functools.lru_cache(maxsize=None)
+def works() -> bool:
+    """True when ``nn.Module`` runs a module's forward hooks exactly when their dictionary is truthy."""
+    if os.environ.get("PICKLEHOOKS_IDLE_HOOKS", "1") == "0":
+        return False
+    calls = []
+    probe = torch.nn.Identity()
+    probe.__dict__["_forward_hooks"] = hooks = _Probe()
+    probe.register_forward_hook(lambda *_: calls.append(1))
+    probe(torch.zeros(1))
+    skipped = not calls
+    hooks.truth = True
+    probe(torch.zeros(1))
+    return skipped and len(calls) == 1

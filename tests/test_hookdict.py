@@ -1,0 +1,132 @@
+"""Idle hooks cost nothing: instrumented modules take nn.Module's hook-free path while nothing records."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import picklehooks
+from picklehooks import _hookdict, _hookrt
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.fixture
+def skip_calls(monkeypatch) -> list:
+    """Every call of the generated hooks' first step, ``_hookrt.skip``."""
+    calls = []
+    real = _hookrt.skip
+
+    def counting(flags=0):
+        calls.append(flags)
+        return real(flags)
+
+    monkeypatch.setattr(_hookrt, "skip", counting)
+    return calls
+
+
+def test_torch_skips_hooks_exactly_when_the_dict_is_falsy():
+    # The private behaviour of nn.Module._call_impl this relies on; if torch changes it,
+    # this fails and instrument() quietly keeps plain dictionaries.
+    assert _hookdict.works()
+
+
+def test_idle_hooks_are_not_called_and_recording_ones_are(skip_calls):
+    model = _model()
+    picklehooks.instrument(model, capture="all")
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    assert skip_calls == []
+    with picklehooks.record() as log:
+        model(x).sum().backward()
+    assert skip_calls, "hooks did not run while recording"
+    assert {r.module for r in log.records} == {"0", "1", "2"}
+
+
+def test_a_users_hook_still_runs_while_idle():
+    model = _model()
+    seen = []
+    before = model[0].register_forward_hook(lambda *_: seen.append("before"))
+    picklehooks.instrument(model)
+    after = model[2].register_forward_hook(lambda *_: seen.append("after"))
+    pre = model[1].register_forward_pre_hook(lambda *_: seen.append("pre"))
+    model(torch.randn(3, 4))
+    assert seen == ["before", "pre", "after"]
+    for h in (before, after, pre):
+        h.remove()
+    seen.clear()
+    model(torch.randn(3, 4))
+    assert seen == []
+
+
+def test_guards_and_profiler_ranges_run_while_idle():
+    model = _model()
+    picklehooks.instrument(model, on_nonfinite="raise")
+    with pytest.raises(picklehooks.NonfiniteError):
+        model(torch.full((3, 4), float("nan")))
+    model = _model()
+    picklehooks.instrument(model, profile=True)
+    with torch.profiler.profile() as prof:
+        model(torch.randn(3, 4))
+    assert any(e.name == "module:0" for e in prof.events())
+
+
+def test_pickles_and_copies_as_plain_dicts_that_still_record():
+    model = _model()
+    picklehooks.instrument(model)
+    assert isinstance(model[0]._forward_hooks, _hookdict.HookDict)
+    data = pickle.dumps(model)
+    assert b"_hookdict" not in data and b"HookDict" not in data
+    for other in (pickle.loads(data), copy.deepcopy(model)):
+        assert type(other[0]._forward_hooks) is OrderedDict
+        buffer = io.BytesIO()
+        torch.save(other, buffer)
+        x = torch.randn(3, 4)
+        with picklehooks.record() as log:
+            other(x)
+        expected = other[2](other[1](other[0](x)))
+        out = log.find("2", "output")[0].stats
+        assert out["mean"] == pytest.approx(expected.double().mean().item(), rel=1e-6, abs=1e-9)
+
+
+def test_remove_restores_plain_dicts():
+    model = _model()
+    handle = picklehooks.instrument(model)
+    handle.remove()
+    for m in model:
+        assert type(m._forward_hooks) is OrderedDict and not m._forward_hooks
+        assert type(m._forward_pre_hooks) is OrderedDict
+
+
+def test_compiled_model_records_and_does_not_recompile_when_recording_toggles():
+    torch._dynamo.reset()
+    model = _model()
+    picklehooks.instrument(model)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = torch.randn(3, 4)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(x)
+        with picklehooks.record() as log:
+            compiled(x)
+        compiled(x)
+    assert {r.module for r in log.records} == {"0", "1", "2"}
+
+
+def test_switch_turns_it_off():
+    code = ("import torch, picklehooks\nfrom collections import OrderedDict\n"
+            "m = torch.nn.Linear(2, 2)\npicklehooks.instrument(m, modules=[''])\n"
+            "print(type(m._forward_hooks) is OrderedDict)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PICKLEHOOKS_IDLE_HOOKS": "0"})
+    assert out.stdout.strip() == "True"
