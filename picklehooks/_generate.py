@@ -215,7 +215,8 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     if flags:
         values = [em.emit(s, values[i], str(i), "    ") for i, s in enumerate(inputs)]
     ret = "(" + "".join(v + ", " for v in values) + ")"
-    return _typed("picklehooks_pre", sig, annotation(("U", inputs)), generic, body + em.lines, ret, flags)
+    return _typed("picklehooks_pre", sig, annotation(("U", inputs)), generic, body + em.lines, ret, flags,
+                  idle_ret="inputs")
 
 
 def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: tuple) -> str:
@@ -231,14 +232,15 @@ def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: 
 
 def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int) -> str:
     """Text of a forward hook: tap every tensor in the output."""
-    generic = f"_rt.forward(module, output, {flags})"
+    generic = f"_rt.forward(module, output, {flags}, inputs)"
     if inputs is None or output is None:
         return _untyped("picklehooks_forward", "module, inputs, output", generic, flags)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}, output: {annotation(output)}"
     em = _Emitter("output", flags)
     result = em.emit(output, "output", "", "    ")
     return _typed("picklehooks_forward", sig, annotation(output), generic,
-                  ["    name = module._picklehooks_name"] + em.lines, result, flags)
+                  ["    name = module._picklehooks_name"] + em.lines, result, flags,
+                  idle_ret="output")
 
 
 def range_hook_texts(inputs: list[Shape] | None, output: Shape | None) -> tuple[str, str]:
@@ -277,7 +279,15 @@ def range_hook_texts(inputs: list[Shape] | None, output: Shape | None) -> tuple[
     return enter, exit_
 
 
-def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret: str, flags: int) -> str:
+def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret: str, flags: int,
+           idle_ret: str | None = None) -> str:
+    """A hook with a run-time body (everywhere but TorchScript) and a typed one (TorchScript).
+
+    ``idle_ret``: what the typed body returns at once while nothing records
+    (the ``active`` op costs about 0.6 µs; each recording op much more).
+    """
+    idle = ("" if idle_ret is None or flags & ALWAYS else
+            f"    if not torch.ops.picklehooks.active({flags}):\n        return {idle_ret}\n")
     return (
         _HEADER
         + f"def {fn}({sig}) -> {ret_type}:\n"
@@ -285,6 +295,7 @@ def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret:
         + f"        if _rt.skip({flags}):\n"
         + "            return None\n"
         + f"        return {generic}\n"
+        + idle
         + "".join(line + "\n" for line in body)
         + f"    return {ret}\n"
     )

@@ -50,9 +50,10 @@ class HookDict(OrderedDict):
     def __bool__(self) -> bool:
         if not len(self):
             return False
-        # Tracing first: torch.compile must see the hooks whatever the recording state, and
+        # is_compiling() first: torch.compile must see the hooks whatever the recording state,
         # without a guard on it (reading _ANYWHERE would recompile when recording starts).
-        return _hookrt._tracing() or bool(_ANYWHERE) or not self.idle_keys.issuperset(self)
+        return (_hookrt._is_compiling() or bool(_ANYWHERE) or not self.idle_keys.issuperset(self)
+                or _hookrt._FX_SYMBOLIC() or _hookrt._is_jit_tracing())
 
     def __reduce__(self):
         return (OrderedDict, (list(self.items()),))

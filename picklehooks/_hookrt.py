@@ -53,9 +53,9 @@ def _tracing() -> bool:
 
 def skip(flags: int = 0) -> bool:
     """True when an eager hook can return without doing anything (guards and profiler ranges never skip)."""
-    # Tracing first: reading the recording state under torch.compile would guard on it,
-    # and recompile each time recording starts or stops.
-    return not (flags & _ops.GUARD or _tracing() or _RECORDING)
+    # is_compiling() first: reading the recording state under torch.compile would guard on
+    # it, and recompile each time recording starts or stops.
+    return not (flags & _ops.GUARD or _is_compiling() or _RECORDING or _FX_SYMBOLIC() or _is_jit_tracing())
 
 
 def _join(path: str, key) -> str:
@@ -86,12 +86,47 @@ class _GradRecorder:
             log._add_tensor(self.name, self.kind, self.path, grad, self.flags)
 
 
-def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int) -> torch.Tensor:
+class _Alias(torch.autograd.Function):
+    """Identity on an output the module made: a new tensor on the same memory (not a view, no copy).
+
+    Its backward hands the gradient to the recorder: the gradient of the value
+    the module returned, through the caller's uses only (not the module's own
+    uses of the same tensor), also when the caller later changes the tensor in
+    place (a hook on a view would be lost then: autograd rebuilds a view's
+    history after an in-place change).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, recorder: _GradRecorder) -> torch.Tensor:
+        return x.detach()  # shares x's memory and version counter: in-place checks stay as they were
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.recorder = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.recorder(grad)
+        return grad, None
+
+    @staticmethod
+    def jvp(ctx, x_tangent, _):
+        return x_tangent
+
+
+def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None):
     """What the tap op does, for plain eager mode, without the op's dispatch cost.
 
-    No graph has to keep the call, so the value is recorded directly and the
-    gradient through a hook on a fresh view (a view, so that a tensor shared
-    with other consumers only reports the gradient flowing through this use).
+    No graph has to keep the call, so the value is recorded directly. An output
+    the module made (``inputs`` given, and ``x`` neither one of them nor a
+    leaf) reaches its caller through :class:`_Alias`, whose backward sees its
+    gradient. Anything else (an input, an output that *is* an input, a
+    parameter) is hooked through a fresh view: autograd keeps a view's base
+    right when the caller changes either in place, so an in-place module still
+    changes its caller's tensor, and a tensor shared with other consumers
+    only reports the gradient flowing through this use.
     """
     if flags & _ops.GUARD:
         _ops.check_finite(x, name, kind, path)
@@ -103,8 +138,12 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int) -> 
     elif log is not None and flags & _ops.GRAD:
         log._note_call(name, kind, path)
     if flags & (_ops.GRAD | _ops.GUARD) and x.requires_grad:
-        x = x.view_as(x)
-        x.register_hook(_GradRecorder(name, "grad_" + kind, path, flags))
+        recorder = _GradRecorder(name, "grad_" + kind, path, flags)
+        if inputs is None or x.is_leaf or any(x is i for i in inputs):
+            x = x.view_as(x)
+            x.register_hook(recorder)
+        else:
+            x = _Alias.apply(x, recorder)
     return x
 
 
@@ -122,20 +161,24 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     return x
 
 
-def tap_tree(value, name: str, kind: str, path: str, flags: int):
-    """Return ``value`` with every tensor in it tapped (the same tensors, unless gradients are wanted)."""
+def tap_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None):
+    """Return ``value`` with every tensor in it tapped (the same tensors, unless gradients are wanted).
+
+    ``inputs``: for an output, the module's positional inputs (see :func:`_eager_tap`).
+    """
     if isinstance(value, _TENSORLIKE):
         if _tracing() or not isinstance(value, torch.Tensor):
             return _traced_tap(value, name, kind, path, flags)
-        return _eager_tap(value, name, kind, path, flags)
+        return _eager_tap(value, name, kind, path, flags, inputs)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags) for f, v in zip(value._fields, value)))
+        return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags, inputs)
+                             for f, v in zip(value._fields, value)))
     if isinstance(value, (tuple, list)):
-        return type(value)(tap_tree(v, name, kind, _join(path, i), flags) for i, v in enumerate(value))
+        return type(value)(tap_tree(v, name, kind, _join(path, i), flags, inputs) for i, v in enumerate(value))
     if isinstance(value, dict):
-        return type(value)((k, tap_tree(v, name, kind, _join(path, k), flags)) for k, v in value.items())
+        return type(value)((k, tap_tree(v, name, kind, _join(path, k), flags, inputs)) for k, v in value.items())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: tap_tree(getattr(value, f.name), name, kind, _join(path, f.name), flags)
+        changes = {f.name: tap_tree(getattr(value, f.name), name, kind, _join(path, f.name), flags, inputs)
                    for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)
     if flags & _ops.VALUE and not _tracing():
@@ -203,11 +246,15 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     return tapped, {k: tap_tree(v, name, "input", k, flags) for k, v in kwargs.items()}
 
 
-def forward(module, output, flags: int):
-    """Forward-hook body: tap every tensor in the output."""
+def forward(module, output, flags: int, inputs: tuple | None = None):
+    """Forward-hook body: tap every tensor in the output.
+
+    ``inputs`` (the hook's positional inputs) lets a gradient hook sit on the
+    output itself; hooks generated before it existed pass none and hook a view.
+    """
     if type(output) is torch.Tensor and not _tracing():  # the common case, one call shorter
-        return _eager_tap(output, _name_of(module), "output", "", flags)
-    return tap_tree(output, _name_of(module), "output", "", flags)
+        return _eager_tap(output, _name_of(module), "output", "", flags, inputs)
+    return tap_tree(output, _name_of(module), "output", "", flags, inputs)
 
 
 # -- gradient surgery (picklehooks.diagnostics.surgery), outside TorchScript ----------------------

@@ -203,3 +203,38 @@ def test_remove_takes_the_gradient_hooks_and_owner_names_away():
     with picklehooks.record() as log:
         model(*args).sum().backward()
     assert len(log) == 0
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_grad_output_of_an_output_changed_in_place_later(form):
+    """grad_output is the gradient of the value the module returned, also when the caller changes it in place.
+
+    Ground truth: a plain tensor hook on each output of an un-instrumented copy
+    (hooks registered before an in-place change see the gradient of the value
+    before it). The Identity returns its input: its grad_output is only what
+    flows through its own output, not the input's other uses.
+    """
+    args = zoo.inputs("ChangedAfter")
+    plain, want = zoo.build("ChangedAfter"), {}
+
+    def post(m, inputs, output, name):
+        if output is inputs[0]:  # Identity: hook a view, so that only this use is seen
+            output = output.view_as(output)
+        output.register_hook(lambda g: want.__setitem__((name, "grad_output", "", 0), g.clone()))
+        return output
+
+    for name in ("a", "same", "b"):
+        getattr(plain, name).register_forward_hook(lambda m, i, o, name=name: post(m, i, o, name))
+    plain(*args).sum().backward()
+    assert len(want) == 3
+
+    model = zoo.build("ChangedAfter")
+    picklehooks.instrument(model, capture="grad_output", mode="tensor",
+                           **({"scriptable": True, "example_inputs": args} if form == "script" else {}))
+    run = _form(model, form, args)
+    with picklehooks.record() as log:
+        run(*args).sum().backward()
+    got = {r.key: r.tensor for r in log.records}
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")

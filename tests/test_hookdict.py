@@ -130,3 +130,21 @@ def test_switch_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "PICKLEHOOKS_IDLE_HOOKS": "0"})
     assert out.stdout.strip() == "True"
+
+
+def test_idle_scripted_hooks_return_before_any_recording_op(monkeypatch):
+    """A scripted model asks the ``active`` op first: while idle no record or tap op runs; recording, they do."""
+    from picklehooks import _ops
+
+    delivered = []
+    monkeypatch.setattr(_ops, "_deliver", lambda *args, **kwargs: delivered.append(args[1:4]))
+    x = torch.randn(3, 4, requires_grad=True)
+    model = _model()
+    picklehooks.instrument(model, capture="all", scriptable=True, example_inputs=(x,))
+    scripted = torch.jit.script(model)
+    scripted(x).sum().backward()
+    assert delivered == []
+    with picklehooks.record():
+        scripted(x).sum().backward()
+    assert {"0", "1", "2"} <= {module for module, _, _ in delivered}
+    assert {"input", "output", "param", "grad_output"} <= {kind for _, kind, _ in delivered}

@@ -147,3 +147,17 @@ class SameGradient(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.lin(x.sin()) + self.lin(x.cos())
+
+
+class ChangedAfter(nn.Module):
+    """The caller changes a module's output in place after the call (and an identity passes its input on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.same, self.b = nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        h.mul_(3)
+        k = self.same(h)
+        return self.b(k) + h.sum()
