@@ -1,0 +1,102 @@
+"""The statistics of one CPU tensor in one pass over its memory, by the C extension ``_fstats``.
+
+:func:`stats` returns the :data:`~picklehooks._stats.STAT_NAMES` values of a
+tensor, read where it lies (no copy, no PyTorch kernel), or ``None`` when it
+can't, and the caller then uses :mod:`picklehooks._stats`. It is meant to be
+called from inside a hook, once per recorded tensor, so it does as few
+Python-level lookups as it can.
+
+Semantics are those of :func:`picklehooks._stats.tensor_stats`: ``std`` is the
+population standard deviation; a tensor containing NaN has NaN ``mean``,
+``std``, ``min``, ``max``, ``absmax`` and ``norm``; one containing Inf (and
+no NaN) has a NaN ``std``, an infinite ``norm`` and a ``mean`` of +-Inf
+(NaN when both signs occur). ``nan`` and ``inf`` are counts, as floats.
+Elements that a view repeats (stride 0, ``expand``) count as often as they
+appear, as in PyTorch; ``zero_frac`` is ``zeros / n`` (the PyTorch path's
+``1 - nonzero / n`` can differ in the last bit). Sums are accumulated in
+float64, shifted by the first element of each chunk of 4096 and merged with
+Chan's formula, so ``mean``, ``std`` and ``norm`` of finite
+float32/float16/bfloat16 input are finite and within about 1e-11 relative
+of exact arithmetic on the same values, as close as PyTorch's float64
+reductions (a mean near 0: relative to the largest magnitude), including
+``finfo(float32).min``-filled attention masks and data whose mean is far
+larger than its spread; min, max, absmax and the counts are exact.
+
+``None`` for anything it doesn't handle: the extension missing or disabled,
+a tensor not on the CPU (or meta), a dtype other than float32, float64,
+float16 and bfloat16, an empty tensor, a tensor subclass (FakeTensor,
+DTensor, jagged nested tensors; ``nn.Parameter`` is accepted), a tensor
+without plain strided storage (sparse, mkldnn, nested, quantized, functorch's
+vmap/grad wrappers), a negative-bit view (``z.conj().imag``; complex
+tensors, and so conjugate views, are refused by dtype), a misaligned or null
+pointer, more than 64 dimensions, and float64 data whose largest magnitude
+is beyond 2**450 or below 2**-400 (squares there could overflow or lose
+digits; the PyTorch path scales by a power of two).
+
+Limits: the memory is read without the GIL for tensors of 65536 elements or
+more; another thread writing the tensor meanwhile gives statistics of a mix
+of old and new values, and one that frees its storage (``resize_``) meanwhile
+is undefined behaviour, as it is for PyTorch's own kernels. A tensor whose
+storage was freed under it (``untyped_storage().resize_(0)``, as FSDP does)
+is refused only when its address is in the first page (zero storage
+offset); otherwise reading it is as unsafe as ``x.sum()``.
+
+``PICKLEHOOKS_NATIVE=0`` in the environment, read once at import, turns the
+extension off: :data:`AVAILABLE` is ``False`` and :func:`stats` returns
+``None``. Where the extension didn't compile (``pip`` builds it optionally),
+and in a copy of this module inside a ``torch.package`` archive (archives
+hold Python source only), it is off too, and importing this module still
+works.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+# importlib rather than ``from . import _fstats``: torch.package's exporter (and
+# picklehooks' own copying of runtime modules into archives) follows import
+# statements, and an extension module can't go into an archive. A copy of this
+# file inside an archive (its name is mangled, its __package__ is not) stays
+# off rather than reach the host's _fstats: the two may be different versions,
+# and a kernel reading raw memory must not be called with the wrong arguments.
+try:
+    if __name__.startswith("<torch_package_"):
+        raise ImportError("picklehooks._fstats is not used from inside a torch.package archive")
+    _fstats = importlib.import_module("._fstats", __package__)
+    # A stale build without these attributes counts as no build.
+    _CODES = {getattr(torch, name): code for name, code in _fstats.DTYPE_CODES.items()}
+    _kernel = _fstats.stats
+except (ImportError, AttributeError):  # not built (no compiler), or inside a torch.package archive
+    _fstats, _CODES, _kernel = None, {}, None
+
+#: Whether :func:`stats` computes anything (the extension imported and wasn't disabled).
+AVAILABLE: bool = _fstats is not None and os.environ.get("PICKLEHOOKS_NATIVE", "1").strip() != "0"
+
+# Exact types only: a subclass may keep no data (FakeTensor) or other data than data_ptr() shows.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+if AVAILABLE:
+    _get_code = _CODES.get  # dtype -> the extension's code for it; other dtypes get None
+
+    def stats(x: torch.Tensor) -> tuple[float, ...] | None:
+        """The 9 :data:`~picklehooks._stats.STAT_NAMES` values of ``x``, or ``None`` (see the module docstring)."""
+        if type(x) not in _PLAIN:
+            return None
+        code = _get_code(x.dtype)
+        if code is None or not x.is_cpu or x.is_neg():
+            return None
+        try:
+            # data_ptr() raises for tensors without plain storage (sparse, functorch
+            # wrappers), stride() for nested ones; an empty tensor gives None in C.
+            return _kernel(x.data_ptr(), code, x.shape, x.stride())
+        except (RuntimeError, ValueError, TypeError, OverflowError, NotImplementedError):
+            return None
+else:
+
+    def stats(x: torch.Tensor) -> tuple[float, ...] | None:
+        """Always ``None``: the extension is off (see the module docstring)."""
+        return None

@@ -1,0 +1,30 @@
+"""Build of the optional C extension ``picklehooks._fstats``; the metadata is in pyproject.toml.
+
+The extension is ``optional``: where it doesn't compile (no C compiler, no
+Python headers), setuptools warns and installs the package without it, and
+:mod:`picklehooks._native` falls back to the PyTorch statistics.
+``PICKLEHOOKS_CFLAGS`` adds compiler flags, e.g. ``-DPICKLEHOOKS_NO_CLONES``
+for one portable loop instead of GCC's per-CPU clones (see _fstats.c).
+"""
+
+import os
+import sys
+
+from setuptools import Extension, setup
+
+# -O3 for the vectorised loops; -fno-math-errno so sqrt is one instruction.
+# MSVC takes other flags and gets its defaults.
+compile_args = [] if sys.platform == "win32" else ["-O3", "-fno-math-errno"]
+if os.environ.get("PICKLEHOOKS_CFLAGS"):
+    compile_args += os.environ["PICKLEHOOKS_CFLAGS"].split()
+
+setup(
+    ext_modules=[
+        Extension(
+            "picklehooks._fstats",
+            sources=["picklehooks/_fstats.c"],
+            extra_compile_args=compile_args,
+            optional=True,
+        )
+    ]
+)
