@@ -136,7 +136,7 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     if log is not None and flags & _ops.VALUE:
         log._add_tensor(name, kind, path, x, flags)
     elif log is not None and flags & _ops.GRAD:
-        log._note_call(name, kind, path)
+        log._note_call(name, kind, path, x)
     if flags & (_ops.GRAD | _ops.GUARD) and x.requires_grad:
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
@@ -230,7 +230,30 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
             _ops.watch_grads(name, params, values, state_flags)
     if not flags:
         return None  # the module gets its own arguments
-    return tuple(tap_tree(v, name, "input", str(i), flags) for i, v in enumerate(inputs))
+    return tuple(_tap_inputs(name, list(zip(map(str, range(len(inputs))), inputs)), flags, {}))
+
+
+def _tap_inputs(name: str, items: list, flags: int, tapped: dict) -> list:
+    """Tap each ``(path, value)`` input; the same tensor given twice stays one tensor.
+
+    ``attn(x, x, x)`` must still see ``query is key is value`` (MultiheadAttention
+    takes another path otherwise), so a repeated tensor gets the tensor tapped
+    for its first position; its value is recorded at every position, its
+    gradient (the sum over all of them) at the first. ``tapped`` maps ``id``
+    of each tensor seen to what the module gets in its place.
+    """
+    out = []
+    for path, value in items:
+        if not isinstance(value, _TENSORLIKE):
+            out.append(tap_tree(value, name, "input", path, flags))
+            continue
+        first = tapped.get(id(value))
+        if first is None:
+            first = tapped[id(value)] = tap_tree(value, name, "input", path, flags)
+        elif flags & _ops.VALUE:
+            tap_tree(value, name, "input", path, flags & ~(_ops.GRAD | _ops.GUARD))
+        out.append(first)
+    return out
 
 
 def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, params: tuple, buffers: tuple):
@@ -239,11 +262,13 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     A keyword input's record path is the keyword (``"attention_mask"``), or the
     keyword and its position inside the value (``"position_embeddings/0"``).
     """
-    tapped = pre(module, args, flags, state_flags, params, buffers)
+    pre(module, args, 0, state_flags, params, buffers)
     if not flags:
         return None
-    name = _name_of(module)
-    return tapped, {k: tap_tree(v, name, "input", k, flags) for k, v in kwargs.items()}
+    name, tapped = _name_of(module), {}
+    positional = _tap_inputs(name, list(zip(map(str, range(len(args))), args)), flags, tapped)
+    keywords = _tap_inputs(name, list(kwargs.items()), flags, tapped)
+    return tuple(positional), dict(zip(kwargs, keywords))
 
 
 def forward(module, output, flags: int, inputs: tuple | None = None):

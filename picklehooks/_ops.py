@@ -238,7 +238,7 @@ def _define_ops() -> None:
         elif flags & GRAD and not flags & COUNTED:
             log = _state.active()
             if log is not None:
-                log._note_call(module, kind, path)  # so the gradient's record gets the right call
+                log._note_call(module, kind, path, x)  # so the gradient's record gets the right call
         return x.clone()
 
     @tap.register_fake

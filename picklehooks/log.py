@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from . import _logfile, _state
+from ._native import stats as native_stats
 from ._logfile import dtype_name
 from ._jacobian import hutchinson
 from ._ops import STATS, TENSOR
@@ -156,6 +157,26 @@ def _stats_dict(shape: tuple, dtype: str, values) -> dict:
 _FORWARD_OF = {"grad_output": "output", "grad_input": "input"}
 
 
+_SURE, _MAYBE = 2, 1
+_MAYBE_KEPT = 4096
+
+
+def _expects_grad(kind: str, x: torch.Tensor) -> int:
+    """Whether a gradient will come back for this forward value: pairs it with its call.
+
+    :data:`_SURE` where the tensor requires grad; :data:`_MAYBE` with autograd
+    off, which is how the forward of a compiled graph runs even when its
+    backward follows (a ``no_grad`` call in eager mode looks the same, so
+    gradients pair with the sure calls first).
+    """
+    if kind not in _PAIRED:
+        return 0
+    return _SURE if x.requires_grad else 0 if torch.is_grad_enabled() else _MAYBE
+
+
+_PAIRED = frozenset(_FORWARD_OF.values())
+
+
 @dataclasses.dataclass(eq=False)
 class Record:
     """One recorded value.
@@ -227,7 +248,9 @@ class Log:
     """What one ``record()`` captured: ``log.records``, plus tables and files."""
 
     def __init__(self, *, step: int = 0, keep_graph: bool = False) -> None:
-        self.records: list[Record] = []
+        # What the hooks add: one tuple per record (see _row), built into Records when read.
+        self._rows: list[tuple] = []
+        self._records: list[Record] = []
         #: Keep each recorded tensor's live (autograd-connected) original, for :meth:`vjp`.
         self.keep_graph = keep_graph
         self.step = step
@@ -235,51 +258,86 @@ class Log:
         self.rank = _current_rank()
         self._calls: dict[tuple[str, str, str], int] = {}
         # Forward calls whose gradient hasn't arrived yet, per (module, kind, path):
-        # backward handles the latest forward first, so gradients pop from the end.
+        # backward handles the latest forward first, so gradients pop from the end;
+        # from the calls that surely get one first (see _expects_grad).
         self._awaiting_grad: dict[tuple[str, str, str], list[int]] = {}
+        self._maybe_grad: dict[tuple[str, str, str], list[int]] = {}
         self._pending = _Pending()
 
     # -- adding (called by the ops and the eager hooks) ---------------------
-    def _next_call(self, module: str, kind: str, path: str) -> int:
+    def _next_call(self, module: str, kind: str, path: str, expect: int = 0) -> int:
+        """The ``call`` of a new record; ``expect``: whether a gradient of this forward value
+        will follow (:data:`_SURE`), may follow (:data:`_MAYBE`), or won't (0)."""
         key = (module, kind, path)
         forward = _FORWARD_OF.get(kind)
         if forward is not None:
-            waiting = self._awaiting_grad.get((module, forward, path))
-            if waiting:
-                return waiting.pop()
+            fkey = (module, forward, path)
+            for waiting in (self._awaiting_grad.get(fkey), self._maybe_grad.get(fkey)):
+                if waiting:
+                    return waiting.pop()
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
-        if forward is None:
-            self._awaiting_grad.setdefault(key, []).append(call)
+        if expect:
+            waiting = (self._awaiting_grad if expect == _SURE else self._maybe_grad).setdefault(key, [])
+            waiting.append(call)
+            if len(waiting) > 2 * _MAYBE_KEPT and expect == _MAYBE:  # inference loops: no gradient ever comes
+                del waiting[:-_MAYBE_KEPT]
         return call
 
-    def _note_call(self, module: str, kind: str, path: str) -> None:
+    def _note_call(self, module: str, kind: str, path: str, x: torch.Tensor) -> None:
         """Count a forward call whose value isn't recorded, so its gradient gets the right ``call``."""
-        self._next_call(module, kind, path)
+        self._next_call(module, kind, path, _expects_grad(kind, x))
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
-        live, x = x, x.detach()
-        rec = Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                     shape=tuple(x.shape), dtype=dtype_name(x.dtype), rank=self.rank)
-        self.records.append(rec)
-        if self.keep_graph:
-            rec.live = live
-        # Always a copy: the caller's tensor may change in place later (inplace
-        # ReLU, optimizer steps, gradient accumulation). One memory pass, no sync.
-        if not flags & STATS and flags & TENSOR:
-            rec.tensor = x.clone(memory_format=torch.contiguous_format)
-        elif x.numel() == 0:
-            rec._stats = _stats_dict(rec.shape, rec.dtype, EMPTY)
-            rec.tensor = x.clone() if flags & TENSOR else None
-        else:
-            group, row = self._pending.add(x)
-            rec._src = (self._pending, group, group.used - 1)
-            if flags & TENSOR:
-                rec.tensor = row
+        """Record ``x`` as it is now: statistics are computed here or ``x`` is copied, never kept as is.
+
+        A CPU tensor's statistics come from one native pass over its memory
+        (:mod:`picklehooks._native`), before any later in-place op can change
+        it: no copy. Otherwise (another device, another dtype, no extension)
+        ``x`` is copied into a row of a batch that is reduced later, on its
+        device (:class:`_Pending`), with no host sync either way.
+        """
+        call = self._next_call(module, kind, path, _expects_grad(kind, x))
+        live = x if self.keep_graph else None
+        stats = src = tensor = None
+        if flags & STATS:
+            stats = native_stats(x) if x.numel() else EMPTY
+            if stats is None:
+                x = x.detach()
+                group, row = self._pending.add(x)
+                src = (self._pending, group, group.used - 1)
+                if flags & TENSOR:
+                    tensor = row
+            elif flags & TENSOR:
+                tensor = x.detach().clone(memory_format=torch.contiguous_format)
+        elif flags & TENSOR:
+            # A copy: the caller's tensor may change in place later (inplace ReLU,
+            # optimizer steps, gradient accumulation). One memory pass, no sync.
+            tensor = x.detach().clone(memory_format=torch.contiguous_format)
+        self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, src, tensor, live))
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
-        self.records.append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                                   value=repr(value), rank=self.rank))
+        self._records_now().append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
+                                          value=repr(value), rank=self.rank))
+
+    def _records_now(self) -> list[Record]:
+        """Build a Record for every row added since the last read."""
+        records, rows = self._records, self._rows
+        n = len(rows)  # a gradient hook on autograd's thread may append meanwhile: keep what comes after
+        if n:
+            rank = self.rank
+            for module, kind, path, call, step, shape, dtype, stats, src, tensor, live in rows[:n]:
+                shape, dtype = tuple(shape), dtype_name(dtype)
+                records.append(Record(module, kind, path, call, step, shape=shape, dtype=dtype, tensor=tensor,
+                                      live=live, rank=rank, _src=src,
+                                      _stats=None if stats is None else _stats_dict(shape, dtype, stats)))
+            del rows[:n]
+        return records
+
+    @property
+    def records(self) -> list[Record]:
+        """Every record, in the order recorded (built from the log's compact rows when read)."""
+        return self._records_now()
 
     # -- reading --------------------------------------------------------------
     def __len__(self) -> int:

@@ -24,3 +24,22 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _CACHE_DIR is not None:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["native", "fallback"])
+def stats_path(request, monkeypatch):
+    """Both ways a log computes statistics: the native one-pass kernel in the hook, and
+    the PyTorch fallback (copies reduced in batches) that other devices and dtypes, a
+    machine without the extension, and ``PICKLEHOOKS_NATIVE=0`` use."""
+    import picklehooks.log
+    from picklehooks import _native
+
+    if request.param == "native":
+        if not _native.AVAILABLE:
+            pytest.skip("the native statistics extension isn't built here")
+    else:
+        monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
+    return request.param

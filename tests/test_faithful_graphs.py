@@ -238,3 +238,86 @@ def test_grad_output_of_an_output_changed_in_place_later(form):
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
         torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("form", ["eager", "script"])
+def test_gradient_of_the_only_call_that_needs_one_keeps_its_call(form):
+    """A module called twice, the second time without autograd: the gradient belongs to call 0.
+
+    (FX and jit.trace don't keep ``no_grad`` blocks; a compiled forward runs
+    without autograd, so there every call awaits a gradient: a known limit.)
+    """
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = self.lin(x)
+            with torch.no_grad():
+                b = self.lin(x)
+            return a * b
+
+    torch.manual_seed(0)
+    model, x = Twice(), torch.randn(3, 4, requires_grad=True)
+    plain = copy.deepcopy(model)
+    grads = []
+    plain.lin.register_full_backward_hook(lambda m, gi, go: grads.append(go[0].clone()))
+    plain(x).sum().backward()
+    assert len(grads) == 1
+
+    picklehooks.instrument(model, capture=("output", "grad_output"), mode="tensor",
+                           **({"scriptable": True, "example_inputs": (x,)} if form == "script" else {}))
+    run = _form(model, form, (x,))
+    with picklehooks.record() as log:
+        run(x).sum().backward()
+    got = {r.key: r.tensor for r in log.records if r.kind == "grad_output"}
+    assert list(got) == [("lin", "grad_output", "", 0)]
+    torch.testing.assert_close(got[("lin", "grad_output", "", 0)], grads[0])
+
+
+class _SameTensor(torch.nn.Module):
+    """Computes something else when its arguments are one tensor (as MultiheadAttention does)."""
+
+    def forward(self, q, k, v):
+        return q * 2 if q is k and k is v else q * 3
+
+
+class _CallsSame(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.same = torch.nn.Linear(4, 4), _SameTensor()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.same(h, h, v=h) + self.same(h, k=h.sin(), v=h)
+
+
+@pytest.mark.parametrize("form", ["eager", "trace", "fx", "compile", "export"])
+def test_a_tensor_passed_twice_stays_one_tensor(form):
+    """attn(x, x, x) with grad_input captured: the module still sees one tensor; values at every position.
+
+    (TorchScript can't compare tensors with ``is``, so its forms don't apply.)
+    """
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    plain = _CallsSame()
+    model = copy.deepcopy(plain)
+    want = plain(x)
+    picklehooks.instrument(model, capture=("input", "grad_input"), mode="tensor")
+    run = _form(model, form, (x,))
+    with picklehooks.record() as log:
+        out = run(x)
+        out.sum().backward()
+    assert torch.equal(out.detach(), want.detach())
+    inputs = {r.key: r.tensor for r in log.records if r.module == "same" and r.kind == "input"}
+    h = plain.lin(x).detach()
+    # call counts per (module, kind, path): "k" first appears in the second call.
+    assert sorted(inputs) == sorted(("same", "input", p, c) for p, c in
+                                    [("0", 0), ("1", 0), ("v", 0), ("0", 1), ("k", 0), ("v", 1)])
+    for key, tensor in inputs.items():
+        torch.testing.assert_close(tensor, h.sin() if key[2] == "k" else h)
+    # The first call's one tensor gets its whole gradient at its first position.
+    grads = {r.key: r.tensor for r in log.records if r.module == "same" and r.kind == "grad_input"}
+    assert ("same", "grad_input", "0", 0) in grads and ("same", "grad_input", "1", 0) not in grads
+    torch.testing.assert_close(grads[("same", "grad_input", "0", 0)], torch.full((3, 4), 2.0))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import picklehooks
+import picklehooks._native
 from picklehooks.log import STAT_NAMES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -85,9 +86,15 @@ def recorded(model: nn.Module, x: torch.Tensor) -> list[dict]:
     return [r.stats for r in records]
 
 
-@pytest.fixture(params=["fast", "exact"])
+@pytest.fixture(params=["native", "fast", "exact"])
 def reduction(request, monkeypatch):
-    """The two ways a log reduces: batched at read time (fast, then repaired), or exactly as copies pile up."""
+    """The three ways a log reduces: the native kernel in the hook; or (the PyTorch fallback) batched
+    at read time (fast, then repaired), or exactly as copies pile up."""
+    if request.param == "native":
+        if not picklehooks._native.AVAILABLE:
+            pytest.skip("the native statistics extension isn't built here")
+        return request.param
+    monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
     if request.param == "exact":
         monkeypatch.setattr(picklehooks.log, "PENDING_BYTES", 1)  # reduce after every record
     return request.param
