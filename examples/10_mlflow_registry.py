@@ -3,15 +3,18 @@
 Shows:
 
 1. ``picklehooks.instrument(model)`` and ``picklehooks.record()`` in this process.
-2. ``mlflow.pytorch.log_model(model, registered_model_name=...)`` into a local
+2. ``log.to_mlflow()`` (``picklehooks.mlflow.log_metrics(log)``): every
+   layer's statistics as metrics of the run, read back from the store.
+3. ``mlflow.pytorch.log_model(model, registered_model_name=...)`` into a local
    registry: a SQLite tracking database and a local artifact store in a
    temporary directory, no server. The hooks are portable, so the model
    pickles as it is; ``serialization_format="pickle"`` is passed because
-   recent MLflow versions default to ``"pt2"`` (``torch.export``).
-3. The ``requirements.txt`` MLflow infers for the model: it lists
+   recent MLflow versions default to ``"pt2"`` (``torch.export``), which
+   works too but needs more arguments (see ``picklehooks.mlflow``).
+4. The ``requirements.txt`` MLflow infers for the model: it lists
    ``picklehooks`` (the version installed here), because loading the model
    imports it.
-4. A fresh process that knows nothing of this script runs
+5. A fresh process that knows nothing of this script runs
    ``mlflow.pytorch.load_model("models:/NAME/1")``: unpickling imports
    picklehooks, the hooks fire, and ``record()`` captures the same records
    (same names, same statistics) as this process did before logging.
@@ -45,6 +48,8 @@ import picklehooks
 try:
     import mlflow
     import mlflow.pytorch
+
+    import picklehooks.mlflow
 except ImportError:
     print("this example needs MLflow: pip install mlflow (or mlflow-skinny sqlalchemy alembic)")
     sys.exit(0)
@@ -88,8 +93,12 @@ def main() -> None:
         tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
         mlflow.set_tracking_uri(tracking_uri)
         experiment = mlflow.create_experiment("picklehooks", artifact_location=(tmp / "artifacts").as_uri())
-        with mlflow.start_run(experiment_id=experiment):
+        with mlflow.start_run(experiment_id=experiment) as run:
+            written = picklehooks.mlflow.log_metrics(log)  # log.to_mlflow()
             info = mlflow.pytorch.log_model(model, name="model", registered_model_name=NAME, **pickle_format())
+        metrics = mlflow.MlflowClient().get_run(run.info.run_id).data.metrics
+        print(f"logged {written} metrics, such as picklehooks/2/grad_output/norm = "
+              f"{metrics['picklehooks/2/grad_output/norm']:.4f}")
         print(f"logged {info.model_uri} and registered it as models:/{NAME}/{info.registered_model_version}")
 
         local = mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(tmp / "download"))
