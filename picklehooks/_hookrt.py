@@ -18,7 +18,14 @@ attached by ``instrument()`` and, in a model loaded elsewhere, once by the
 pre-hook: directly in eager mode, through the ``watch`` op where the hook is
 scripted or in a graph.
 
-Limits: non-tensor values are recorded (by repr) only in eager mode.
+A forward recomputed by activation checkpointing (``torch.utils.checkpoint``,
+either ``use_reentrant``) records nothing again: see :func:`_recomputing`.
+Under FSDP2 a module's pre-hook runs after FSDP's own (FSDP prepends it), so
+``param`` records read the unsharded parameter.
+
+Limits: non-tensor values are recorded (by repr) only in eager mode. Any
+forward run inside a backward pass (say, by a gradient hook) is taken for a
+recomputation and records no values.
 """
 
 from __future__ import annotations
@@ -45,10 +52,29 @@ _range_exit = torch.ops.picklehooks.range_exit
 _is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
 _is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_scripting() call
 _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
+_PLAIN = _ops._PLAIN  # tensor types _ops.record_tensor hands straight to the log
 
 
 def _tracing() -> bool:
     return _is_compiling() or _FX_SYMBOLIC() or _is_jit_tracing()
+
+
+# The graph task autograd is executing in this thread (-1: none, outside backward).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _recomputing() -> bool:
+    """True while a forward runs inside a backward pass: activation checkpointing recomputing it.
+
+    ``torch.utils.checkpoint`` reruns the checkpointed forward during backward:
+    with ``use_reentrant=False`` from a saved-tensor unpack hook, with
+    ``use_reentrant=True`` from its Function's backward. The first forward
+    recorded its values and counted its calls, so a recomputation records and
+    counts nothing: it only hooks gradients, which arrive from the recomputed
+    graph where backward goes through it (``use_reentrant=True``) and from the
+    first forward's graph otherwise.
+    """
+    return _graph_task_id() != -1
 
 
 def skip(flags: int = 0) -> bool:
@@ -83,7 +109,7 @@ class _GradRecorder:
             _ops.check_finite(grad, self.name, self.kind, self.path, from_autograd=True)
         log = _state.active(from_autograd=True)
         if log is not None and self.flags & _ops.GRAD:
-            log._add_tensor(self.name, self.kind, self.path, grad, self.flags)
+            _ops.record_tensor(log, self.name, self.kind, self.path, grad, self.flags)  # a DTensor: its shard
 
 
 class _Alias(torch.autograd.Function):
@@ -131,10 +157,18 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     if flags & _ops.GUARD:
         _ops.check_finite(x, name, kind, path)
     log = _state.active()
-    if log is None and not flags & _ops.GUARD:
+    if _graph_task_id() != -1:  # _recomputing(), inlined: checkpoint's recomputation hooks gradients only
+        # On a device's autograd thread the log is found as gradient hooks find it.
+        if not flags & _ops.GUARD and (not flags & _ops.GRAD or _state.active(from_autograd=True) is None):
+            return x
+        log = None
+    elif log is None and not flags & _ops.GUARD:
         return x
     if log is not None and flags & _ops.VALUE:
-        log._add_tensor(name, kind, path, x, flags)
+        if type(x) in _PLAIN:
+            log._add_tensor(name, kind, path, x, flags)
+        else:  # a DTensor (tensor parallelism) is recorded as its shard
+            _ops.record_tensor(log, name, kind, path, x, flags)
     elif log is not None and flags & _ops.GRAD:
         log._note_call(name, kind, path, x)
     if flags & (_ops.GRAD | _ops.GUARD) and x.requires_grad:
@@ -183,7 +217,7 @@ def tap_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple |
         return dataclasses.replace(value, **changes)
     if flags & _ops.VALUE and not _tracing():
         log = _state.active()
-        if log is not None:
+        if log is not None and not _recomputing():
             log._add_value(name, kind, path, value)
     return value
 
@@ -216,10 +250,11 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                 elif tracing:
                     _record_state(values, name, kind, ",".join(names), state_flags)
                 else:
-                    log = _state.active()
+                    log = None if _recomputing() else _state.active()
                     for n, v in zip(names, values):
                         if log is not None and v is not None:
-                            log._add_tensor(name, kind, n, v.detach(), state_flags)
+                            # A DTensor (FSDP2 outside its unsharded forward, tensor parallelism): its shard.
+                            _ops.record_tensor(log, name, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         values = [getattr(module, n) for n in params]
         # Under jit.trace (which can't take a Tensor?[] argument either) the hooks are attached

@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
+import sys
 import threading
 from typing import Optional
 
@@ -122,7 +123,15 @@ def watch_grads(module: str, names: list[str], params: list, flags: int, *, clai
     these hooks itself, outside any graph, with ``claim=True``: that names
     ``module`` as an owner on the parameter, for later :func:`watch_grads`
     calls in a process that loads the model.
+
+    Under FSDP2 (``fully_shard``) a module holds, during its forward, the
+    unsharded parameter FSDP all-gathered: its gradient is this rank's,
+    before reduce-scatter. The hook goes on FSDP's sharded parameter instead,
+    whose hooks FSDP calls once it has assigned the reduced gradient (see
+    :func:`picklehooks.distributed.fsdp_sharded`).
     """
+    if _FSDP_STATE in sys.modules and _distributed():  # only a process that uses FSDP2 pays for the look-up
+        params = _distributed().fsdp_sharded(params)
     for name, param in zip(names, params):
         if claim and param is not None and (module, name) not in param.__dict__.get(_OWNERS_ATTR, ()):
             param.__dict__[_OWNERS_ATTR] = (*param.__dict__.get(_OWNERS_ATTR, ()), (module, name))
@@ -142,7 +151,39 @@ def watch_grads(module: str, names: list[str], params: list, flags: int, *, clai
 def _deliver_grad(module: str, name: str, flags: int, p: torch.Tensor) -> None:
     log = _state.active(from_autograd=True)
     if log is not None and p.grad is not None:
-        log._add_tensor(module, "param_grad", name, p.grad, flags)
+        record_tensor(log, module, "param_grad", name, p.grad, flags)
+
+
+# FSDP2's module: imported exactly when a process can hold FSDP2-sharded parameters.
+_FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_DISTRIBUTED = []  # picklehooks.distributed, once imported
+
+
+def _distributed():
+    """The host's :mod:`picklehooks.distributed`, imported on first use (most processes never need
+    it); None in a torch.package archive's copy of this module where picklehooks isn't installed."""
+    if not _DISTRIBUTED:
+        try:
+            _DISTRIBUTED.append(importlib.import_module("picklehooks.distributed"))
+        except ImportError:
+            _DISTRIBUTED.append(None)
+    return _DISTRIBUTED[0]
+
+
+def record_tensor(log, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
+    """``log._add_tensor``, except that a ``DTensor`` (FSDP2's sharded parameters and their
+    gradients, tensor parallelism) is recorded as this rank's shard, with its place in the whole,
+    which :func:`picklehooks.distributed.gather` merges across ranks."""
+    if type(x) not in _PLAIN:
+        dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+        if dtensor is not None and isinstance(x, dtensor.DTensor):
+            if _distributed() is None:  # no merging without picklehooks.distributed: this rank's values
+                x = x.to_local()
+            else:
+                _distributed().add_shard(log, module, kind, path, x, flags)
+                return
+    log._add_tensor(module, kind, path, x, flags)
 
 
 def unwatch_grads(params, module: str | None = None) -> None:
