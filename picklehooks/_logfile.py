@@ -117,7 +117,8 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[torch.Tensor | None]
         with open(records_file) as f:
             document = json.load(f)
     except FileNotFoundError:
-        raise PicklehooksError(f"{where!r} holds no {RECORDS}; is it a directory Log.save() wrote?") from None
+        raise PicklehooksError(f"{where!r} holds no {RECORDS}; is it a directory that Log.save() or "
+                               "record(sink=) wrote?") from None
     except (OSError, ValueError, RecursionError) as exc:
         raise PicklehooksError(f"{records_file!r} is not readable JSON: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:

@@ -14,8 +14,22 @@ statistic, strict JSON: non-finite statistics are the strings ``"NaN"``,
 ``tensors.safetensors`` (keys are record indices). :meth:`Log.load` reads it
 back.
 
+``record(sink=dir)`` streams instead, for runs of any length: the records
+go to Parquet files in ``dir`` while the run goes on (:mod:`picklehooks._sink`
+describes the files), and leave memory. They are written when a step ends
+(:meth:`Log.next_step`) once :data:`FLUSH_ROWS` records (or
+:data:`FLUSH_BYTES` of kept tensors) wait, when :meth:`Log.flush` is called,
+and when ``record()`` exits, by an exception too. Writing reads the
+statistics still pending on a device: one host sync per device per write.
+``log.records`` then holds only the records not written yet;
+``log.to_pandas()`` reads the written ones too, and ``Log.load(dir)`` reads
+them all back, lazily.
+
 Limits: non-tensor values are recorded by ``repr`` only where Python runs
-the hook (eager mode); ``std`` is the population standard deviation. A
+the hook (eager mode); records written to a sink keep no autograd graph
+(``keep_graph``: :meth:`Log.vjp` sees the records not written yet); a run
+that never calls ``next_step()`` keeps its records in memory until it exits,
+unless it calls ``flush()``; ``std`` is the population standard deviation. A
 gradient's ``call`` is that of the latest forward call of the same module
 whose gradient hasn't arrived yet, which is exact whenever each backward pass
 follows its own forward (training loops, modules called several times).
@@ -30,7 +44,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _logfile, _state
+from . import _logfile, _sink, _state
 from ._native import stats as native_stats
 from ._logfile import dtype_name
 from ._jacobian import hutchinson
@@ -43,6 +57,11 @@ __all__ = ["Record", "Log", "record", "STAT_NAMES"]
 _COUNTS = ("nan", "inf")
 #: Bytes of recorded copies a log keeps for batched statistics before reducing them.
 PENDING_BYTES = 64 << 20
+#: With a sink: records waiting in memory that make ``next_step()`` write them (a Parquet part of
+#: about this many rows; a few MB of memory).
+FLUSH_ROWS = 8192
+#: With a sink: bytes of kept tensors (mode "tensor"/"both") that make ``next_step()`` write them.
+FLUSH_BYTES = 64 << 20
 
 
 class _Group:
@@ -245,12 +264,22 @@ def _current_rank() -> int | None:
 
 
 class Log:
-    """What one ``record()`` captured: ``log.records``, plus tables and files."""
+    """What one ``record()`` captured: ``log.records``, plus tables and files.
 
-    def __init__(self, *, step: int = 0, keep_graph: bool = False) -> None:
-        # What the hooks add: one tuple per record (see _row), built into Records when read.
+    ``sink``: a directory the records are streamed to (see :func:`record`).
+    """
+
+    def __init__(self, *, step: int = 0, keep_graph: bool = False, sink: str | os.PathLike | None = None,
+                 append: bool = False, flush_rows: int | None = None) -> None:
+        # What the hooks add: one tuple per record (see _add_tensor), built into Records when read.
         self._rows: list[tuple] = []
         self._records: list[Record] = []
+        # Where written records are: a sink this log writes (they left memory), or a sink directory
+        # it was loaded from (read into memory the first time ``records`` is).
+        self._sink: _sink.Writer | None = None
+        self._lazy: _sink.Reader | None = None
+        self._tensor_bytes = 0  # of tensors kept in memory, towards FLUSH_BYTES
+        self.flush_rows = FLUSH_ROWS
         #: Keep each recorded tensor's live (autograd-connected) original, for :meth:`vjp`.
         self.keep_graph = keep_graph
         self.step = step
@@ -263,6 +292,22 @@ class Log:
         self._awaiting_grad: dict[tuple[str, str, str], list[int]] = {}
         self._maybe_grad: dict[tuple[str, str, str], list[int]] = {}
         self._pending = _Pending()
+        self._set_sink(sink, append, flush_rows)  # last: it may create the directory
+
+    def _set_sink(self, sink, append: bool, flush_rows: int | None) -> None:
+        if flush_rows is not None:
+            if not isinstance(flush_rows, int) or isinstance(flush_rows, bool) or flush_rows < 1:
+                raise PicklehooksError(f"flush_rows={flush_rows!r}: give a number of records, 1 or more")
+            self.flush_rows = flush_rows
+        if sink is not None:
+            if self._sink is not None:
+                raise PicklehooksError(f"this log streams to {self._sink.path!r} already; it can't take sink={sink!r} too")
+            self._sink = _sink.Writer(sink, append=append)
+
+    @property
+    def sink(self) -> str | None:
+        """The directory this log streams its records to, or ``None``."""
+        return None if self._sink is None else self._sink.path
 
     # -- adding (called by the ops and the eager hooks) ---------------------
     def _next_call(self, module: str, kind: str, path: str, expect: int = 0) -> int:
@@ -304,8 +349,9 @@ class Log:
             stats = native_stats(x) if x.numel() else EMPTY
             if stats is None:
                 x = x.detach()
-                group, row = self._pending.add(x)
-                src = (self._pending, group, group.used - 1)
+                pending = self._pending  # once: flush() replaces it
+                group, row = pending.add(x)
+                src = (pending, group, group.used - 1)
                 if flags & TENSOR:
                     tensor = row
             elif flags & TENSOR:
@@ -314,6 +360,8 @@ class Log:
             # A copy: the caller's tensor may change in place later (inplace ReLU,
             # optimizer steps, gradient accumulation). One memory pass, no sync.
             tensor = x.detach().clone(memory_format=torch.contiguous_format)
+        if tensor is not None:
+            self._tensor_bytes += x.numel() * x.element_size()
         self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, src, tensor, live))
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
@@ -321,7 +369,7 @@ class Log:
                                           value=repr(value), rank=self.rank))
 
     def _records_now(self) -> list[Record]:
-        """Build a Record for every row added since the last read."""
+        """Build a Record for every row added since the last read; the records in memory."""
         records, rows = self._records, self._rows
         n = len(rows)  # a gradient hook on autograd's thread may append meanwhile: keep what comes after
         if n:
@@ -336,27 +384,67 @@ class Log:
 
     @property
     def records(self) -> list[Record]:
-        """Every record, in the order recorded (built from the log's compact rows when read)."""
+        """Every record in memory, in the order recorded (built from the log's compact rows when read).
+
+        That is every record, except in a log with a sink: there, those not
+        written yet. A log loaded from a sink reads all of its records here
+        the first time this is read.
+        """
+        if self._lazy is not None:
+            self._records[:0] = self._from_sink(self._lazy)  # before any recorded into it since
+            self._lazy = None
         return self._records_now()
 
     # -- reading --------------------------------------------------------------
     def __len__(self) -> int:
+        if self._lazy is not None:  # without reading every record
+            return self._lazy.count() + len(self._records) + len(self._rows)
         return len(self.records)
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self.records)
 
     def __repr__(self) -> str:
-        return f"<picklehooks.Log: {len(self.records)} records, step {self.step}>"
+        sink = f", streaming to {self._sink.path!r}" if self._sink is not None else ""
+        return f"<picklehooks.Log: {len(self)} records, step {self.step}{sink}>"
 
     def next_step(self) -> int:
-        """Advance ``step`` (records made from now on carry the new value); return it."""
+        """Advance ``step`` (records made from now on carry the new value); return it.
+
+        With a sink, write the records waiting once there are ``flush_rows`` of them
+        (or :data:`FLUSH_BYTES` of tensors).
+        """
         self.step += 1
+        if self._sink is not None and (len(self._rows) + len(self._records) >= self.flush_rows
+                                       or self._tensor_bytes >= FLUSH_BYTES):
+            self.flush()
         return self.step
+
+    def flush(self) -> int:
+        """Write every record in memory to the sink as one Parquet part and drop it; return how many.
+
+        Pending statistics are read first (one host sync per device). If
+        writing fails, the records stay in memory and the error is raised.
+        """
+        if self._sink is None:
+            raise PicklehooksError("this log has no sink to flush to; record with picklehooks.record(sink=DIR)")
+        records, rows = self._records, self._rows
+        m, n = len(records), len(rows)  # an autograd thread may append meanwhile: keep what comes after
+        if not m + n:
+            return 0
+        columns, tensors = _columns(records[:m], rows[:n], self.rank)
+        self._sink.write(columns, tensors, self.step)
+        del records[:m], rows[:n]
+        # A fresh batch of pending copies: the old one's counts would size new groups for the whole run.
+        self._pending, self._tensor_bytes = _Pending(), 0
+        return m + n
 
     def find(self, module: str | None = None, kind: str | None = None, path: str | None = None,
              call: int | None = None) -> list[Record]:
-        """Records matching every field given."""
+        """Records matching every field given (in a log loaded from a sink, read without reading the rest)."""
+        if self._lazy is not None:
+            filters = _filters(module=module, kind=kind, path=path, call=call)
+            return self._from_sink(self._lazy, _sink.expression(filters)) + _matching(self._records_now(), filters)
         return [r for r in self.records
                 if (module is None or r.module == module) and (kind is None or r.kind == kind)
                 and (path is None or r.path == path) and (call is None or r.call == call)]
@@ -412,13 +500,38 @@ class Log:
         return hutchinson(out, lambda v, _: self._vjp(out, inp, v, True, (output_name, input_name)),
                           samples=samples, seed=seed)
 
-    def to_pandas(self):
-        """:meth:`table` as a ``pandas.DataFrame`` (``pip install pandas``)."""
+    def to_pandas(self, module=None, kind=None, path=None, call=None, step=None, rank=None, *,
+                  columns: list[str] | None = None):
+        """The records as a ``pandas.DataFrame`` of :meth:`table` rows, those matching every filter given.
+
+        Each filter is one value or a collection of values (``step=range(100, 200)``,
+        ``kind=("output", "grad_output")``); ``columns`` picks columns. With a
+        sink, this reads the records written there too (with ``append=True``,
+        earlier runs' as well), reading from the files only the row groups and
+        columns needed::
+
+            frame = log.to_pandas(module="encoder.0", kind="output", step=range(1000, 2000))
+        """
         try:
             import pandas
         except ImportError:
             raise PicklehooksError("Log.to_pandas() needs pandas: pip install 'picklehooks[log]'") from None
-        return pandas.DataFrame(self.table())
+        filters = _filters(module=module, kind=kind, path=path, call=call, step=step, rank=rank)
+        names = _table_columns(columns)
+        stored = self._lazy if self._sink is None else _sink.Reader(self._sink.path, snapshot=False)
+        if stored is None and not filters and columns is None:
+            return pandas.DataFrame(self.table())  # as always
+        frames = [pandas.DataFrame([r.row() for r in _matching(self._records_now(), filters)], columns=names)]
+        if stored is not None:
+            table = stored.table(_sink.expression(filters), columns=names)
+            frame = table.to_pandas()
+            if "shape" in frame:  # lists, as table() has them, not numpy arrays
+                frame["shape"] = table.column("shape").to_pylist()
+            frames = [f for f in (frame, frames[0]) if len(f)] or [frame]
+        frame = pandas.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        if columns is None and frame["rank"].isna().all():
+            frame = frame.drop(columns="rank")  # as in table(): a rank only where records have one
+        return frame
 
     def to_tensorboard(self, writer, step: int | None = None, *, histograms: bool = True) -> int:
         """Write per-layer scalars and histograms to a ``SummaryWriter`` (``pip install 'picklehooks[tensorboard]'``)."""
@@ -430,42 +543,170 @@ class Log:
         """Write ``records.json`` (and ``tensors.safetensors`` if tensors were kept) into directory ``path``.
 
         A log already there is replaced completely; a directory holding anything else is refused.
+        A log streaming to a sink is refused: its records are in the sink (``Log.load(sink).save(path)``).
         """
+        if self._sink is not None:
+            raise PicklehooksError(
+                f"this log streams its records to {self._sink.path!r}, so it holds only the latest; call "
+                f"log.flush() and read them all with Log.load({self._sink.path!r}) (which can save())")
         tensors = {i: r.tensor for i, r in enumerate(self.records) if r.tensor is not None}
         _logfile.save(path, self.table(), tensors, self.step)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Log:
-        """Read a log written by :meth:`save`, checking its records against its tensors."""
+        """Read a log written by :meth:`save`, or a sink ``record(sink=path)`` wrote, checking records
+        against tensors.
+
+        A sink is read lazily: the parts there now, none of them read until
+        ``records`` (all of them) or :meth:`find`/:meth:`to_pandas` (the
+        matching ones) are. ``step`` is the writing log's step at its last write.
+        """
+        if _sink.is_sink(path):
+            reader = _sink.Reader(path)
+            log = cls(step=reader.step())
+            log._lazy = reader
+            return log
         rows, tensors, step = _logfile.load(path)
         return cls.from_rows(rows, tensors, step=step)
+
+    @staticmethod
+    def _from_sink(reader: _sink.Reader, where=None) -> list[Record]:
+        rows = reader.table(where).to_pylist()
+        return [_record_from_row(row, tensor) for row, tensor in zip(rows, reader.tensors(rows))]
 
     @classmethod
     def from_rows(cls, rows: list[dict], tensors: list[torch.Tensor | None] | None = None, *, step: int = 0) -> Log:
         """Rebuild a log from :meth:`table` rows (and the records' tensors, in the same order)."""
         log = cls(step=step)
         tensors = tensors or [None] * len(rows)
-        for row, tensor in zip(rows, tensors):
-            shape = tuple(row["shape"]) if row["shape"] is not None else None
-            rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
-                         dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor)
-            if row.get("mean") is not None or row.get("nan") is not None:
-                rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
-            log.records.append(rec)
+        log.records.extend(_record_from_row(row, tensor) for row, tensor in zip(rows, tensors))
         return log
 
 
+def _record_from_row(row: dict, tensor: torch.Tensor | None) -> Record:
+    shape = tuple(row["shape"]) if row["shape"] is not None else None
+    rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
+                 dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor)
+    if row.get("mean") is not None or row.get("nan") is not None:
+        rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
+    return rec
+
+
+_NO_STATS = (None,) * len(STAT_NAMES)
+
+
+def _columns(records: list[Record], rows: list[tuple], rank: int | None) -> tuple[dict[str, list], dict]:
+    """Columns of a sink part (:data:`picklehooks._sink.COLUMNS`) from Records and from compact rows
+    (the records first, as they were recorded first), and the kept tensors by row number."""
+    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:9]}
+    stats, tensors = [], {}
+    for i, r in enumerate(records):
+        for name, value in zip(columns, (r.module, r.kind, r.path, r.call, r.step,
+                                         None if r.shape is None else list(r.shape), r.dtype, r.value, r.rank)):
+            columns[name].append(value)
+        s = r.stats
+        stats.append(_NO_STATS if s is None else tuple(s[name] for name in STAT_NAMES))
+        if r.tensor is not None:
+            tensors[i] = r.tensor
+    if rows:
+        module, kind, path, call, step, shape, dtype, row_stats, src, kept, _ = zip(*rows)
+        for name, values in (("module", module), ("kind", kind), ("path", path), ("call", call), ("step", step)):
+            columns[name] += values
+        columns["shape"] += shape  # torch.Size is a tuple, which pyarrow takes as a list
+        columns["dtype"] += map(dtype_name, dtype)
+        columns["value"] += [None] * len(rows)
+        columns["rank"] += [rank] * len(rows)
+        for s, pending in zip(row_stats, src):
+            if s is None and pending is not None:
+                owner, group, row = pending
+                if group.rows is None:
+                    owner.read()  # every pending statistic at once: one transfer per device
+                s = group.rows[row]
+            stats.append(_NO_STATS if s is None else s)
+        offset = len(records)
+        tensors.update((offset + i, t) for i, t in enumerate(kept) if t is not None)
+    for name, values in zip(STAT_NAMES, zip(*stats)):
+        columns[name] = [None if v is None else int(v) for v in values] if name in _COUNTS else list(values)
+    if not stats:
+        columns.update((name, []) for name in STAT_NAMES)
+    return columns, tensors
+
+
+# Table columns, in order; "rank" only where some record has a rank.
+_TABLE_COLUMNS = _sink.COLUMNS[:-2]
+_FILTER_TYPES = {"module": str, "kind": str, "path": str, "call": int, "step": int, "rank": int}
+
+
+def _table_columns(columns) -> list[str]:
+    if columns is None:
+        return list(_TABLE_COLUMNS)
+    names = [columns] if isinstance(columns, str) else list(columns)
+    bad = [c for c in names if c not in _TABLE_COLUMNS]
+    if bad:
+        raise PicklehooksError(f"columns={columns!r}: no column {bad[0]!r}; the columns are {', '.join(_TABLE_COLUMNS)}")
+    return names
+
+
+def _filters(**given) -> dict[str, tuple | range]:
+    """The filters given (not None), each as the values wanted (a tuple, or a range as given), type-checked."""
+    filters = {}
+    for name, want in given.items():
+        if want is None:
+            continue
+        kind = _FILTER_TYPES[name]
+        if isinstance(want, range) and kind is int:
+            values = want  # kept: a range filters as two comparisons, not a list of every value
+        elif isinstance(want, (str, int)):
+            values = (want,)
+        else:
+            values = tuple(want) if isinstance(want, (list, tuple, set, frozenset)) else ()
+        typed = isinstance(values, range) or all(isinstance(v, kind) and not isinstance(v, bool) for v in values)
+        if not values or not typed:
+            raise PicklehooksError(
+                f"{name}={want!r}: give a {kind.__name__} or a non-empty list, tuple, set"
+                f"{' or range' if kind is int else ''} of them")
+        filters[name] = values
+    return filters
+
+
+def _matching(records: list[Record], filters: dict[str, tuple | range]) -> list[Record]:
+    if not filters:
+        return records
+    wanted = [(name, values if isinstance(values, range) else set(values)) for name, values in filters.items()]
+    return [r for r in records if all(getattr(r, name) in values for name, values in wanted)]
+
+
 @contextlib.contextmanager
-def record(*, step: int = 0, keep_graph: bool = False, log: Log | None = None) -> Iterator[Log]:
+def record(*, step: int = 0, keep_graph: bool = False, log: Log | None = None,
+           sink: str | os.PathLike | None = None, append: bool = False,
+           flush_rows: int | None = None) -> Iterator[Log]:
     """Record what instrumented models compute in this thread/context::
 
         with picklehooks.record() as log:
             model(x).sum().backward()
         print(log.table()[0])
+
+    ``sink=dir`` streams the records to Parquet files in ``dir`` (``pip install
+    'picklehooks[parquet]'``), so memory stays flat however long the run::
+
+        with picklehooks.record(sink="runs/exp1") as log:
+            for x in batches:
+                model(x).sum().backward()
+                log.next_step()          # writes once flush_rows records wait
+        frame = picklehooks.Log.load("runs/exp1").to_pandas(module="head", step=range(100, 200))
+
+    ``dir`` must be new or empty, or hold a sink of an earlier run and
+    ``append=True``; anything else is refused. The records left are written on
+    exit, whatever ends the block.
     """
-    log = Log(step=step, keep_graph=keep_graph) if log is None else log
+    if log is None:
+        log = Log(step=step, keep_graph=keep_graph, sink=sink, append=append, flush_rows=flush_rows)
+    else:
+        log._set_sink(sink, append, flush_rows)
     token = _state.push(log)
     try:
         yield log
     finally:
         _state.pop(log, token)
+        if log._sink is not None:
+            log.flush()
