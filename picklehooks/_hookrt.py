@@ -43,6 +43,7 @@ _tap = torch.ops.picklehooks.tap
 _record = torch.ops.picklehooks.record
 _record_state = torch.ops.picklehooks.record_state
 _watch = torch.ops.picklehooks.watch
+_watch_one = torch.ops.picklehooks.watch_one
 _zero_grads = torch.ops.picklehooks.zero_grads
 _clamp_grad = torch.ops.picklehooks.clamp_grad
 _range_enter = torch.ops.picklehooks.range_enter
@@ -142,6 +143,12 @@ class _Alias(torch.autograd.Function):
         return x_tangent
 
 
+# Function.apply binds its arguments to forward's signature on every call (about 10 µs);
+# outside functorch's transforms the C apply underneath is all it then calls.
+_alias = super(torch.autograd.Function, _Alias).apply  # bound to _Alias
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
 def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None):
     """What the tap op does, for plain eager mode, without the op's dispatch cost.
 
@@ -176,8 +183,10 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
             x = x.view_as(x)
             x.register_hook(recorder)
-        else:
+        elif _functorch_active():  # vmap, grad: the full apply (which binds arguments by signature)
             x = _Alias.apply(x, recorder)
+        else:
+            x = _alias(x, recorder)
     return x
 
 
@@ -257,12 +266,15 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                             _ops.record_tensor(log, name, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         values = [getattr(module, n) for n in params]
-        # Under jit.trace (which can't take a Tensor?[] argument either) the hooks are attached
-        # now, in this process: a traced model records param_grad here, not after jit.save/load.
-        if tracing and not torch.jit.is_tracing():  # the graph must call the op that attaches the hooks
-            _watch(values, name, ",".join(params), state_flags)
-        else:
+        if not tracing:
             _ops.watch_grads(name, params, values, state_flags)
+        elif torch.jit.is_tracing():  # jit.trace can't take a Tensor?[] argument: one op per parameter
+            # (torch.jit.is_tracing(), which dynamo understands; not torch._C._is_tracing)
+            for n, v in zip(params, values):
+                if v is not None:
+                    _watch_one(v, name, n, state_flags)
+        else:  # the graph must call the op that attaches the hooks (also after saving and loading)
+            _watch(values, name, ",".join(params), state_flags)
     if not flags:
         return None  # the module gets its own arguments
     return tuple(_tap_inputs(name, list(zip(map(str, range(len(inputs))), inputs)), flags, {}))

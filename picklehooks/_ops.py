@@ -10,6 +10,8 @@ as without picklehooks.
 * ``picklehooks::record(x, module, kind, path, flags)``: record ``x``.
 * ``picklehooks::record_state(values, module, kind, names, flags)``: record
   parameters or buffers (``names`` comma-joined).
+* ``picklehooks::watch_one(param, module, name, flags)``: the same for one
+  parameter, as ``torch.jit.trace`` records it.
 * ``picklehooks::active(flags) -> bool``: whether any log records; a scripted
   hook returns at once when it doesn't.
 * ``picklehooks::watch(params, module, names, flags)``: attach, once per
@@ -55,14 +57,13 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-import sys
 import threading
 from typing import Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _state
+from . import _shards, _state
 from ._shim import PicklehooksError
 
 VALUE, GRAD, STATS, TENSOR = 1, 2, 4, 8
@@ -130,8 +131,8 @@ def watch_grads(module: str, names: list[str], params: list, flags: int, *, clai
     whose hooks FSDP calls once it has assigned the reduced gradient (see
     :func:`picklehooks.distributed.fsdp_sharded`).
     """
-    if _FSDP_STATE in sys.modules and _distributed():  # only a process that uses FSDP2 pays for the look-up
-        params = _distributed().fsdp_sharded(params)
+    if _FSDP_STATE in _MODULES:  # only a process that uses FSDP2 pays for the look-up
+        params = _shards.fsdp_sharded(params)
     for name, param in zip(names, params):
         if claim and param is not None and (module, name) not in param.__dict__.get(_OWNERS_ATTR, ()):
             param.__dict__[_OWNERS_ATTR] = (*param.__dict__.get(_OWNERS_ATTR, ()), (module, name))
@@ -157,18 +158,9 @@ def _deliver_grad(module: str, name: str, flags: int, p: torch.Tensor) -> None:
 # FSDP2's module: imported exactly when a process can hold FSDP2-sharded parameters.
 _FSDP_STATE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-_DISTRIBUTED = []  # picklehooks.distributed, once imported
-
-
-def _distributed():
-    """The host's :mod:`picklehooks.distributed`, imported on first use (most processes never need
-    it); None in a torch.package archive's copy of this module where picklehooks isn't installed."""
-    if not _DISTRIBUTED:
-        try:
-            _DISTRIBUTED.append(importlib.import_module("picklehooks.distributed"))
-        except ImportError:
-            _DISTRIBUTED.append(None)
-    return _DISTRIBUTED[0]
+# sys.modules, through importlib: torch.package's exporter can't package sys (it has no file),
+# and follows import statements in the copy of this file it puts in an archive.
+_MODULES = importlib.import_module("sys").modules
 
 
 def record_tensor(log, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
@@ -176,13 +168,10 @@ def record_tensor(log, module: str, kind: str, path: str, x: torch.Tensor, flags
     gradients, tensor parallelism) is recorded as this rank's shard, with its place in the whole,
     which :func:`picklehooks.distributed.gather` merges across ranks."""
     if type(x) not in _PLAIN:
-        dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+        dtensor = _MODULES.get("torch.distributed.tensor")  # no DTensor exists before it is imported
         if dtensor is not None and isinstance(x, dtensor.DTensor):
-            if _distributed() is None:  # no merging without picklehooks.distributed: this rank's values
-                x = x.to_local()
-            else:
-                _distributed().add_shard(log, module, kind, path, x, flags)
-                return
+            _shards.add_shard(log, module, kind, path, x, flags)
+            return
     log._add_tensor(module, kind, path, x, flags)
 
 
@@ -421,6 +410,10 @@ def _watch_kernel(params: list, module: str, names: str, flags: int) -> None:
     watch_grads(module, names.split(","), params, flags)
 
 
+def _watch_one_kernel(param: torch.Tensor, module: str, name: str, flags: int) -> None:
+    watch_grads(module, [name], [param], flags)
+
+
 # The ops that only look: no output, so the model keeps its own tensors (no
 # copy, in-place changes and ``a is b`` survive), declared CONSERVATIVE so
 # TorchScript assumes they have side effects and keeps them, and registered as
@@ -436,6 +429,8 @@ _EFFECT_OPS = {
     "record_state": ("record_state(Tensor?[] values, str module, str kind, str names, int flags) -> ()",
                      _record_state_kernel),
     "watch": ("watch(Tensor?[] params, str module, str names, int flags) -> ()", _watch_kernel),
+    # One parameter: what torch.jit.trace records (it can't take a Tensor?[] argument).
+    "watch_one": ("watch_one(Tensor param, str module, str name, int flags) -> ()", _watch_one_kernel),
 }
 _LIBRARY = None  # kept alive: dropping a Library removes its registrations
 

@@ -177,6 +177,7 @@ _FORWARD_OF = {"grad_output": "output", "grad_input": "input"}
 
 
 _SURE, _MAYBE = 2, 1
+_MAX_OPEN = 256  # invocations of one module open at once (recursion depth) that a log tracks
 _MAYBE_KEPT = 4096
 
 
@@ -286,6 +287,10 @@ class Log:
         #: This process's torch.distributed rank, if a process group is up; every record carries it.
         self.rank = _current_rank()
         self._calls: dict[tuple[str, str, str], int] = {}
+        # Per module: invocations whose inputs were recorded and outputs not yet, innermost last,
+        # each (call, input paths, output paths); and the one whose outputs are being recorded.
+        self._open: dict[str, list[tuple[int, set, set]]] = {}
+        self._closing: dict[str, tuple[int, set, set]] = {}
         # Forward calls whose gradient hasn't arrived yet, per (module, kind, path):
         # backward handles the latest forward first, so gradients pop from the end;
         # from the calls that surely get one first (see _expects_grad).
@@ -320,14 +325,50 @@ class Log:
             for waiting in (self._awaiting_grad.get(fkey), self._maybe_grad.get(fkey)):
                 if waiting:
                     return waiting.pop()
-        call = self._calls.get(key, 0)
-        self._calls[key] = call + 1
+        if kind == "input" or kind == "output":
+            call = self._invocation(module, kind, path, self._calls.get(key, 0))
+        else:
+            call = self._calls.get(key, 0)
+        self._calls[key] = max(call + 1, self._calls.get(key, 0))
         if expect:
             waiting = (self._awaiting_grad if expect == _SURE else self._maybe_grad).setdefault(key, [])
             waiting.append(call)
             if len(waiting) > 2 * _MAYBE_KEPT and expect == _MAYBE:  # inference loops: no gradient ever comes
                 del waiting[:-_MAYBE_KEPT]
         return call
+
+    def _invocation(self, module: str, kind: str, path: str, call: int) -> int:
+        """Pair an output with the inputs of the same invocation, also when a module calls itself.
+
+        Inputs are recorded as an invocation starts and outputs as it ends, in
+        program order (in graphs too: the ops are ordered effects), so each
+        module keeps a stack of open invocations: an input whose path the top
+        one already has opens a new one (a call from inside the call); the
+        first output pops the top, and the outputs after it in the same hook
+        (other paths) share its ``call``: the ``call`` of that invocation's
+        first input. A module whose inputs aren't recorded counts outputs by
+        themselves.
+        """
+        stack = self._open.get(module)
+        if kind == "input":
+            if stack is None:
+                stack = self._open[module] = []
+            if not stack or path in stack[-1][1]:
+                stack.append((call, {path}, set()))
+                if len(stack) > _MAX_OPEN:  # inputs recorded, outputs never: don't grow
+                    del stack[0]
+            else:
+                stack[-1][1].add(path)
+            return call
+        closing = self._closing.get(module)
+        if closing is not None and path not in closing[2]:
+            closing[2].add(path)
+            return closing[0]
+        if not stack:
+            return call
+        closing = self._closing[module] = stack.pop()
+        closing[2].add(path)
+        return closing[0]
 
     def _note_call(self, module: str, kind: str, path: str, x: torch.Tensor) -> None:
         """Count a forward call whose value isn't recorded, so its gradient gets the right ``call``."""
@@ -537,6 +578,15 @@ class Log:
         """Write per-layer scalars and histograms to a ``SummaryWriter`` (``pip install 'picklehooks[tensorboard]'``)."""
         from .tensorboard import write
         return write(self, writer, step, histograms=histograms)
+
+    def to_mlflow(self, *, step: int | None = None, run_id: str | None = None, client=None,
+                  stats: tuple[str, ...] | None = None) -> int:
+        """Log per-layer statistics as metrics of the active MLflow run (``pip install 'picklehooks[mlflow]'``).
+
+        Returns the number of metrics written; see :func:`picklehooks.mlflow.log_metrics`.
+        """
+        from .mlflow import STATS, log_metrics
+        return log_metrics(self, step=step, run_id=run_id, client=client, stats=STATS if stats is None else stats)
 
     # -- files ----------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:

@@ -149,16 +149,24 @@ def test_gradients_of_two_calls_stay_two_records(form):
     plain(*args).sum().backward()
     assert len(want) == 2
 
-    model = zoo.build("SameGradient")
+    _assert_same(_grad_outputs("SameGradient", form, args), want)
+
+
+def _grad_outputs(name: str, form: str, args: tuple) -> dict:
+    """{key: tensor} of the grad_output records of zoo model ``name`` run in ``form`` (fwd + bwd)."""
+    model = zoo.build(name)
     picklehooks.instrument(model, capture="grad_output", mode="tensor",
                            **({"scriptable": True, "example_inputs": args} if form == "script" else {}))
     run = _form(model, form, args)
     with picklehooks.record() as log:
         run(*args).sum().backward()
-    got = {r.key: r.tensor for r in log.records}
+    return {r.key: r.tensor for r in log.records}
+
+
+def _assert_same(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
-        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("form", ["eager", "script", "fx"])
@@ -228,16 +236,7 @@ def test_grad_output_of_an_output_changed_in_place_later(form):
     plain(*args).sum().backward()
     assert len(want) == 3
 
-    model = zoo.build("ChangedAfter")
-    picklehooks.instrument(model, capture="grad_output", mode="tensor",
-                           **({"scriptable": True, "example_inputs": args} if form == "script" else {}))
-    run = _form(model, form, args)
-    with picklehooks.record() as log:
-        run(*args).sum().backward()
-    got = {r.key: r.tensor for r in log.records}
-    assert sorted(got) == sorted(want)
-    for key, tensor in want.items():
-        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    _assert_same(_grad_outputs("ChangedAfter", form, args), want)
 
 
 @pytest.mark.parametrize("form", ["eager", "script"])
@@ -321,3 +320,99 @@ def test_a_tensor_passed_twice_stays_one_tensor(form):
     grads = {r.key: r.tensor for r in log.records if r.module == "same" and r.kind == "grad_input"}
     assert ("same", "grad_input", "0", 0) in grads and ("same", "grad_input", "1", 0) not in grads
     torch.testing.assert_close(grads[("same", "grad_input", "0", 0)], torch.full((3, 4), 2.0))
+
+
+def test_grad_output_under_functorch_transforms():
+    """The aliasing Function also runs under torch.func (grad of a model whose output gradients are hooked)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    model = copy.deepcopy(plain)
+    picklehooks.instrument(model, capture="grad_output")
+    x = torch.randn(5, 4)
+    want = torch.func.grad(lambda v: plain(v).sum())(x)
+    with picklehooks.record():
+        got = torch.func.grad(lambda v: model(v).sum())(x)
+    torch.testing.assert_close(got, want)
+
+
+def test_traced_and_saved_model_records_param_grad_in_a_fresh_process(tmp_path):
+    """jit.trace keeps one watch op per parameter, so a traced model loaded elsewhere records param_grad."""
+    import json
+
+    from tests.testutils import run_fresh
+
+    args = zoo.inputs("Tied")
+    plain = zoo.build("Tied")
+    plain(*args).sum().backward()
+    want = {f"{m}.{n}": p.grad.double().norm().item()
+            for m, mod in plain.named_modules() if m for n, p in mod.named_parameters(recurse=False)}
+    model = zoo.build("Tied")
+    picklehooks.instrument(model, capture="param_grad")
+    torch.jit.save(torch.jit.trace(model, args, check_trace=False), str(tmp_path / "traced.pt"))
+    torch.save(args, tmp_path / "args.pt")
+    out = run_fresh(f"""
+        import json, torch, picklehooks
+        model = torch.jit.load({str(tmp_path / "traced.pt")!r})
+        args = torch.load({str(tmp_path / "args.pt")!r})
+        with picklehooks.record() as log:
+            model(*args).sum().backward()
+        print(json.dumps({{r.module + "." + r.path: r.stats["norm"] for r in log.records}}))
+    """)
+    got = json.loads(out)
+    # Tied: one weight, recorded under both of its owners.
+    assert sorted(got) == sorted(want)
+    for key, norm in want.items():
+        assert got[key] == pytest.approx(norm, rel=1e-6), key
+
+
+class _Tree(torch.nn.Module):
+    """Calls itself: the inner call starts after the outer one and ends before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, depth: int = 2):
+        h = torch.tanh(self.lin(x))
+        if depth > 0:
+            h = h + self(h * 0.5, depth - 1)
+        return h
+
+
+class _HoldsTree(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree = _Tree()
+
+    def forward(self, x):
+        return self.tree(x)
+
+
+@pytest.mark.parametrize("form", ["eager", "trace", "fx", "compile", "export"])
+def test_a_module_that_calls_itself_pairs_input_and_output_of_one_invocation(form):
+    """Input call k and output call k are the same invocation (TorchScript can't compile recursion)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    plain = _HoldsTree()
+    model = copy.deepcopy(plain)
+    # Ground truth: plain hooks that pair each invocation's input and output with a stack.
+    started, stack, want = [], [], {}
+
+    def pre(m, args):
+        stack.append(len(started))
+        started.append(args[0].detach().clone())
+        want[("tree", "input", "0", stack[-1])] = started[-1]
+
+    def post(m, args, out):
+        want[("tree", "output", "", stack.pop())] = out.detach().clone()
+
+    plain.tree.register_forward_pre_hook(pre)
+    plain.tree.register_forward_hook(post)
+    plain(x)
+    assert len(started) == 3
+
+    picklehooks.instrument(model, modules=["tree"], capture=("input", "output"), mode="tensor")
+    run = _form(model, form, (x,))
+    with picklehooks.record() as log:
+        run(x)
+    _assert_same({r.key: r.tensor for r in log.records if r.tensor is not None}, want)  # not depth's repr
