@@ -149,7 +149,8 @@ _alias = super(torch.autograd.Function, _Alias).apply  # bound to _Alias
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None):
+def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None,
+               direct: bool = False):
     """What the tap op does, for plain eager mode, without the op's dispatch cost.
 
     No graph has to keep the call, so the value is recorded directly. An output
@@ -160,6 +161,11 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     right when the caller changes either in place, so an in-place module still
     changes its caller's tensor, and a tensor shared with other consumers
     only reports the gradient flowing through this use.
+
+    ``direct``: the module is known not to use its own output (see
+    :func:`_keeps_no_output`), so a new tensor that is no view is hooked
+    itself: the same gradient, without an autograd node of our own (about
+    10 µs less per output, forward and backward).
     """
     if flags & _ops.GUARD:
         _ops.check_finite(x, name, kind, path)
@@ -183,6 +189,8 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
             x = x.view_as(x)
             x.register_hook(recorder)
+        elif direct and not x._is_view():
+            x.register_hook(recorder)  # stays with this value if the caller changes it in place
         elif _functorch_active():  # vmap, grad: the full apply (which binds arguments by signature)
             x = _Alias.apply(x, recorder)
         else:
@@ -318,6 +326,13 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     return tuple(positional), dict(zip(kwargs, keywords))
 
 
+def _keeps_no_output(module) -> bool:
+    """Whether ``module`` is one of torch.nn's own modules without submodules (``Linear``, ``LayerNorm``,
+    ``GELU``...), which compute their output last and never use it themselves (``MultiheadAttention``,
+    whose attention weights are both used and returned, has submodules)."""
+    return type(module).__module__.startswith("torch.nn.modules.") and not module._modules
+
+
 def forward(module, output, flags: int, inputs: tuple | None = None):
     """Forward-hook body: tap every tensor in the output.
 
@@ -325,7 +340,7 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     output itself; hooks generated before it existed pass none and hook a view.
     """
     if type(output) is torch.Tensor and not _tracing():  # the common case, one call shorter
-        return _eager_tap(output, _name_of(module), "output", "", flags, inputs)
+        return _eager_tap(output, _name_of(module), "output", "", flags, inputs, _keeps_no_output(module))
     return tap_tree(output, _name_of(module), "output", "", flags, inputs)
 
 

@@ -197,6 +197,12 @@ def _expects_grad(kind: str, x: torch.Tensor) -> int:
 _PAIRED = frozenset(_FORWARD_OF.values())
 
 
+class _Values(tuple):
+    """The :data:`STAT_NAMES` values of a record, as the hook computed them (made a dict when read)."""
+
+    __slots__ = ()
+
+
 @dataclasses.dataclass(eq=False)
 class Record:
     """One recorded value.
@@ -220,7 +226,8 @@ class Record:
     live: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # record(keep_graph=True)
     rank: int | None = None
     _stats: dict | None = dataclasses.field(default=None, repr=False)
-    _src: tuple | None = dataclasses.field(default=None, repr=False)  # (pending, group, row) until read
+    # Until read: (pending, group, row) of a batched statistic, or the _Values computed in the hook.
+    _src: tuple | None = dataclasses.field(default=None, repr=False)
 
     @property
     def stats(self) -> dict | None:
@@ -229,10 +236,14 @@ class Record:
         The first read brings every pending statistic of the log to the host at once.
         """
         if self._stats is None and self._src is not None:
-            pending, group, row = self._src
-            if group.rows is None:
-                pending.read()
-            self._stats, self._src = _stats_dict(self.shape, self.dtype, group.rows[row]), None
+            if type(self._src) is _Values:  # computed in the hook
+                values = self._src
+            else:
+                pending, group, row = self._src
+                if group.rows is None:
+                    pending.read()
+                values = group.rows[row]
+            self._stats, self._src = _stats_dict(self.shape, self.dtype, values), None
         return self._stats
 
     @property
@@ -325,7 +336,7 @@ class Log:
             for waiting in (self._awaiting_grad.get(fkey), self._maybe_grad.get(fkey)):
                 if waiting:
                     return waiting.pop()
-        if kind == "input" or kind == "output":
+        if kind == "input" or kind == "output" and self._open:  # (no inputs recorded: nothing to pair)
             call = self._invocation(module, kind, path, self._calls.get(key, 0))
         else:
             call = self._calls.get(key, 0)
@@ -418,8 +429,7 @@ class Log:
             for module, kind, path, call, step, shape, dtype, stats, src, tensor, live in rows[:n]:
                 shape, dtype = tuple(shape), dtype_name(dtype)
                 records.append(Record(module, kind, path, call, step, shape=shape, dtype=dtype, tensor=tensor,
-                                      live=live, rank=rank, _src=src,
-                                      _stats=None if stats is None else _stats_dict(shape, dtype, stats)))
+                                      live=live, rank=rank, _src=src if stats is None else _Values(stats)))
             del rows[:n]
         return records
 
