@@ -416,3 +416,59 @@ def test_a_module_that_calls_itself_pairs_input_and_output_of_one_invocation(for
     with picklehooks.record() as log:
         run(x)
     _assert_same({r.key: r.tensor for r in log.records if r.tensor is not None}, want)  # not depth's repr
+
+
+class _TwoOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, index_source: torch.Tensor):
+        h = self.lin(x)
+        return h * 2 + index_source.argmax(-1, keepdim=True).float(), h * 3
+
+
+class _UsesOne(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.two = _TwoOut()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.two(x, x * 5)  # b is never used; x * 5 only feeds argmax
+        return a.sum()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_no_gradient_records_where_no_gradient_flows(form):
+    """An unused output and an input that only feeds a non-differentiable op get no gradient record
+    in any form (a compiled graph must not record zeros).
+
+    Ground truth: plain tensor hooks on views of each input and output, which
+    fire only where a gradient flows. (``register_full_backward_hook`` would
+    report zeros for such an input: it wraps all inputs in one autograd node,
+    which materialises the missing gradients.)
+    """
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    plain = _UsesOne()
+    model = copy.deepcopy(plain)
+    want = {}
+
+    def hooked(value, kind, path):
+        value = value.view_as(value)
+        value.register_hook(lambda g: want.__setitem__(("two", kind, path, 0), g.clone()))
+        return value
+
+    plain.two.register_forward_pre_hook(lambda m, args: tuple(hooked(v, "grad_input", str(i))
+                                                              for i, v in enumerate(args)))
+    plain.two.register_forward_hook(lambda m, args, out: tuple(hooked(v, "grad_output", str(i))
+                                                               for i, v in enumerate(out)))
+    plain(x).backward()
+    assert sorted(want) == [("two", "grad_input", "0", 0), ("two", "grad_output", "0", 0)]
+
+    picklehooks.instrument(model, modules=["two"], capture=("grad_input", "grad_output"), mode="tensor",
+                           **({"scriptable": True, "example_inputs": (x,)} if form == "script" else {}))
+    run = _form(model, form, (x,))
+    with picklehooks.record() as log:
+        run(x).backward()
+    _assert_same({r.key: r.tensor for r in log.records}, want)
