@@ -204,6 +204,10 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     The model keeps ``x`` itself unless a gradient is wanted: only the ``tap``
     op's autograd formula can see the gradient, and it must sit in the dataflow.
     """
+    if flags & _ops.GRAD and _is_compiling() and isinstance(x, torch.Tensor):
+        # Only tracing knows whether this value gets a gradient (a no_grad block inside the
+        # model): the compiled forward runs without autograd. Tell the kernels, for pairing.
+        flags |= _ops.GRAD_SURE if x.requires_grad else _ops.GRAD_NONE
     if flags & _ops.VALUE:
         _record(x, name, kind, path, flags)
         flags = (flags & ~_ops.VALUE) | _ops.COUNTED

@@ -74,6 +74,10 @@ GUARD = 32
 #: Set on a ``tap`` whose forward value the ``record`` op already recorded (and counted):
 #: the tap only carries the gradient.
 COUNTED = 64
+#: Set by ``torch.compile``/``torch.export`` tracing, which sees whether a value requires grad
+#: (the compiled forward later runs without autograd, so the kernels can't): a gradient of
+#: this value will follow (:data:`GRAD_SURE`) or can't (:data:`GRAD_NONE`).
+GRAD_SURE, GRAD_NONE = 128, 256
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):
@@ -268,7 +272,7 @@ def _define_ops() -> None:
         elif flags & GRAD and not flags & COUNTED:
             log = _state.active()
             if log is not None:
-                log._note_call(module, kind, path, x)  # so the gradient's record gets the right call
+                log._note_call(module, kind, path, x, flags)  # so the gradient's record gets the right call
         return x.clone()
 
     @tap.register_fake

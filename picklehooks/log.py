@@ -48,7 +48,7 @@ from . import _logfile, _sink, _state
 from ._native import stats as native_stats
 from ._logfile import dtype_name
 from ._jacobian import hutchinson
-from ._ops import STATS, TENSOR
+from ._ops import GRAD_NONE, GRAD_SURE, STATS, TENSOR
 from ._stats import EMPTY, PAD, STAT_NAMES, finish, matrix_stats
 from ._shim import PicklehooksError
 
@@ -181,16 +181,20 @@ _MAX_OPEN = 256  # invocations of one module open at once (recursion depth) that
 _MAYBE_KEPT = 4096
 
 
-def _expects_grad(kind: str, x: torch.Tensor) -> int:
+def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
     """Whether a gradient will come back for this forward value: pairs it with its call.
 
-    :data:`_SURE` where the tensor requires grad; :data:`_MAYBE` with autograd
-    off, which is how the forward of a compiled graph runs even when its
-    backward follows (a ``no_grad`` call in eager mode looks the same, so
+    :data:`_SURE` where the tensor requires grad, or where tracing saw it did
+    (``flags``: :data:`~picklehooks._ops.GRAD_SURE`, set by ``torch.compile``
+    and ``torch.export``, whose forward runs without autograd); 0 where tracing
+    saw it didn't; otherwise, with autograd off, :data:`_MAYBE` (an older
+    compiled graph; a ``no_grad`` call in eager mode looks the same, so
     gradients pair with the sure calls first).
     """
     if kind not in _PAIRED:
         return 0
+    if flags & (GRAD_SURE | GRAD_NONE):
+        return _SURE if flags & GRAD_SURE else 0
     return _SURE if x.requires_grad else 0 if torch.is_grad_enabled() else _MAYBE
 
 
@@ -381,9 +385,9 @@ class Log:
         closing[2].add(path)
         return closing[0]
 
-    def _note_call(self, module: str, kind: str, path: str, x: torch.Tensor) -> None:
+    def _note_call(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int = 0) -> None:
         """Count a forward call whose value isn't recorded, so its gradient gets the right ``call``."""
-        self._next_call(module, kind, path, _expects_grad(kind, x))
+        self._next_call(module, kind, path, _expects_grad(kind, x, flags))
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
         """Record ``x`` as it is now: statistics are computed here or ``x`` is copied, never kept as is.
@@ -394,7 +398,7 @@ class Log:
         ``x`` is copied into a row of a batch that is reduced later, on its
         device (:class:`_Pending`), with no host sync either way.
         """
-        call = self._next_call(module, kind, path, _expects_grad(kind, x))
+        call = self._next_call(module, kind, path, _expects_grad(kind, x, flags))
         live = x if self.keep_graph else None
         stats = src = tensor = None
         if flags & STATS:

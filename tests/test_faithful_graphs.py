@@ -239,12 +239,12 @@ def test_grad_output_of_an_output_changed_in_place_later(form):
     _assert_same(_grad_outputs("ChangedAfter", form, args), want)
 
 
-@pytest.mark.parametrize("form", ["eager", "script"])
+@pytest.mark.parametrize("form", ["eager", "script", "compile", "export"])
 def test_gradient_of_the_only_call_that_needs_one_keeps_its_call(form):
     """A module called twice, the second time without autograd: the gradient belongs to call 0.
 
-    (FX and jit.trace don't keep ``no_grad`` blocks; a compiled forward runs
-    without autograd, so there every call awaits a gradient: a known limit.)
+    (FX and jit.trace don't keep ``no_grad`` blocks. A compiled forward runs
+    without autograd: there tracing tells the ops which values get a gradient.)
     """
     class Twice(torch.nn.Module):
         def __init__(self) -> None:
