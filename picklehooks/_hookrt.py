@@ -53,7 +53,6 @@ _range_exit = torch.ops.picklehooks.range_exit
 _is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
 _is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_scripting() call
 _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
-_PLAIN = _ops._PLAIN  # tensor types _ops.record_tensor hands straight to the log
 
 
 def _tracing() -> bool:
@@ -178,10 +177,7 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     elif log is None and not flags & _ops.GUARD:
         return x
     if log is not None and flags & _ops.VALUE:
-        if type(x) in _PLAIN:
-            log._add_tensor(name, kind, path, x, flags)
-        else:  # a DTensor (tensor parallelism) is recorded as its shard
-            _ops.record_tensor(log, name, kind, path, x, flags)
+        _ops.record_tensor(log, name, kind, path, x, flags)  # a DTensor (tensor parallelism): its shard
     elif log is not None and flags & _ops.GRAD:
         log._note_call(name, kind, path, x)
     if flags & (_ops.GRAD | _ops.GUARD) and x.requires_grad:
@@ -289,7 +285,12 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
             _watch(values, name, ",".join(params), state_flags)
     if not flags:
         return None  # the module gets its own arguments
-    return tuple(_tap_inputs(name, list(zip(map(str, range(len(inputs))), inputs)), flags, {}))
+    return tuple(_tap_inputs(name, _positional(inputs), flags, {}))
+
+
+def _positional(args: tuple) -> list:
+    """``(path, value)`` of each positional argument: the path is its position."""
+    return [(str(i), v) for i, v in enumerate(args)]
 
 
 def _tap_inputs(name: str, items: list, flags: int, tapped: dict) -> list:
@@ -325,7 +326,7 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     if not flags:
         return None
     name, tapped = _name_of(module), {}
-    positional = _tap_inputs(name, list(zip(map(str, range(len(args))), args)), flags, tapped)
+    positional = _tap_inputs(name, _positional(args), flags, tapped)
     keywords = _tap_inputs(name, list(kwargs.items()), flags, tapped)
     return tuple(positional), dict(zip(kwargs, keywords))
 

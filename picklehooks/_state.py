@@ -47,6 +47,8 @@ def pop(log, token: contextvars.Token) -> None:
         _ANYWHERE.remove(log)
 
 
+# Not used by this version's hooks (they read _ANYWHERE), but kept: the runtime that earlier
+# versions copied into torch.package archives calls it on the host's module.
 def idle() -> bool:
     """True when nothing records here, so a plain eager hook may skip its work."""
     return _ACTIVE.get() is None and not _ANYWHERE

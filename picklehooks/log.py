@@ -201,6 +201,15 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
 _PAIRED = frozenset(_FORWARD_OF.values())
 
 
+def _read_pending(src: tuple) -> list[float]:
+    """The statistics of a batched record, ``(pending, group, row)``; the first read of a log's
+    brings all of its pending statistics to the host (one transfer per device)."""
+    pending, group, row = src
+    if group.rows is None:
+        pending.read()
+    return group.rows[row]
+
+
 class _Values(tuple):
     """The :data:`STAT_NAMES` values of a record, as the hook computed them (made a dict when read)."""
 
@@ -240,13 +249,7 @@ class Record:
         The first read brings every pending statistic of the log to the host at once.
         """
         if self._stats is None and self._src is not None:
-            if type(self._src) is _Values:  # computed in the hook
-                values = self._src
-            else:
-                pending, group, row = self._src
-                if group.rows is None:
-                    pending.read()
-                values = group.rows[row]
+            values = self._src if type(self._src) is _Values else _read_pending(self._src)
             self._stats, self._src = _stats_dict(self.shape, self.dtype, values), None
         return self._stats
 
@@ -340,11 +343,11 @@ class Log:
             for waiting in (self._awaiting_grad.get(fkey), self._maybe_grad.get(fkey)):
                 if waiting:
                     return waiting.pop()
+        count = self._calls.get(key, 0)
+        call = count
         if kind == "input" or kind == "output" and self._open:  # (no inputs recorded: nothing to pair)
-            call = self._invocation(module, kind, path, self._calls.get(key, 0))
-        else:
-            call = self._calls.get(key, 0)
-        self._calls[key] = max(call + 1, self._calls.get(key, 0))
+            call = self._invocation(module, kind, path, count)
+        self._calls[key] = max(call + 1, count)
         if expect:
             waiting = (self._awaiting_grad if expect == _SURE else self._maybe_grad).setdefault(key, [])
             waiting.append(call)
@@ -385,9 +388,14 @@ class Log:
         closing[2].add(path)
         return closing[0]
 
-    def _note_call(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int = 0) -> None:
-        """Count a forward call whose value isn't recorded, so its gradient gets the right ``call``."""
-        self._next_call(module, kind, path, _expects_grad(kind, x, flags))
+    def _note_call(self, module: str, kind: str, path: str, x: torch.Tensor | None = None, flags: int = 0) -> None:
+        """Count a forward call whose value isn't recorded, so its gradient gets the right ``call``.
+
+        Without ``x``, as the runtime copied into torch.package archives by earlier
+        versions calls it, every such call awaits a gradient (as it did then).
+        """
+        expect = (_SURE if kind in _PAIRED else 0) if x is None else _expects_grad(kind, x, flags)
+        self._next_call(module, kind, path, expect)
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
         """Record ``x`` as it is now: statistics are computed here or ``x`` is copied, never kept as is.
@@ -409,10 +417,8 @@ class Log:
                 group, row = pending.add(x)
                 src = (pending, group, group.used - 1)
                 if flags & TENSOR:
-                    tensor = row
-            elif flags & TENSOR:
-                tensor = x.detach().clone(memory_format=torch.contiguous_format)
-        elif flags & TENSOR:
+                    tensor = row  # the batch's copy
+        if flags & TENSOR and tensor is None:
             # A copy: the caller's tensor may change in place later (inplace ReLU,
             # optimizer steps, gradient accumulation). One memory pass, no sync.
             tensor = x.detach().clone(memory_format=torch.contiguous_format)
@@ -682,10 +688,7 @@ def _columns(records: list[Record], rows: list[tuple], rank: int | None) -> tupl
         columns["rank"] += [rank] * len(rows)
         for s, pending in zip(row_stats, src):
             if s is None and pending is not None:
-                owner, group, row = pending
-                if group.rows is None:
-                    owner.read()  # every pending statistic at once: one transfer per device
-                s = group.rows[row]
+                s = _read_pending(pending)
             stats.append(_NO_STATS if s is None else s)
         offset = len(records)
         tensors.update((offset + i, t) for i, t in enumerate(kept) if t is not None)

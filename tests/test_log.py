@@ -455,6 +455,18 @@ class TestLiveValues:
 
 
 class TestCallNumbering:
+    def test_runtime_of_earlier_archives_still_pairs_gradients(self):
+        """The hook runtime an earlier version copied into a torch.package archive calls
+        ``log._note_call(module, kind, path)``; its gradients still pair, latest call first."""
+        from picklehooks._ops import GRAD, TENSOR
+
+        log = picklehooks.Log()
+        for _ in range(2):
+            log._note_call("m", "output", "")  # forward calls whose values aren't recorded
+        for g in (torch.ones(2), torch.zeros(2)):
+            log._add_tensor("m", "grad_output", "", g, GRAD | TENSOR)
+        assert [(r.call, r.tensor.sum().item()) for r in log.records] == [(1, 2.0), (0, 0.0)]
+
     def test_outputs_numbered_in_order(self):
         """A module called twice records call 0 then call 1."""
         model = CalledTwice()
