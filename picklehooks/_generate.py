@@ -196,7 +196,7 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     """Text of a forward pre-hook: tap inputs, record params/buffers."""
     generic = f"_rt.pre(module, inputs, {flags}, {state_flags}, {params!r}, {buffers!r})"
     if inputs is None:
-        return _untyped("picklehooks_pre", "module, inputs", generic, flags)
+        return _untyped("picklehooks_pre", "module, inputs", generic)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}"
     em = _Emitter("input", flags)
     body = ["    name = module._picklehooks_name"]
@@ -227,14 +227,14 @@ def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: 
     :func:`pre_hook_text` instead).
     """
     generic = f"_rt.pre_kw(module, args, kwargs, {flags}, {state_flags}, {params!r}, {buffers!r})"
-    return _untyped("picklehooks_pre_kw", "module, args, kwargs", generic, flags)
+    return _untyped("picklehooks_pre_kw", "module, args, kwargs", generic)
 
 
 def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int) -> str:
     """Text of a forward hook: tap every tensor in the output."""
     generic = f"_rt.forward(module, output, {flags}, inputs)"
     if inputs is None or output is None:
-        return _untyped("picklehooks_forward", "module, inputs, output", generic, flags)
+        return _untyped("picklehooks_forward", "module, inputs, output", generic)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}, output: {annotation(output)}"
     em = _Emitter("output", flags)
     result = em.emit(output, "output", "", "    ")
@@ -259,8 +259,8 @@ def range_hook_texts(inputs: list[Shape] | None, output: Shape | None) -> tuple[
     else:
         first_out = -1
     if inputs is None or first_in is None or first_out == -1:
-        return (_untyped("picklehooks_range_enter", "module, inputs", enter_generic, ALWAYS),
-                _untyped("picklehooks_range_exit", "module, inputs, output", exit_generic, ALWAYS))
+        return (_untyped("picklehooks_range_enter", "module, inputs", enter_generic),
+                _untyped("picklehooks_range_exit", "module, inputs, output", exit_generic))
     in_type = annotation(("U", inputs))
     values = [f"inputs[{i}]" for i in range(len(inputs))]
     values[first_in] = "v1"
@@ -288,12 +288,11 @@ def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret:
     """
     idle = ("" if idle_ret is None or flags & ALWAYS else
             f"    if not torch.ops.picklehooks.active({flags}):\n        return {idle_ret}\n")
+    # The run-time body skips its own work while nothing records (see _hookrt.skip).
     return (
         _HEADER
         + f"def {fn}({sig}) -> {ret_type}:\n"
         + "    if not torch.jit.is_scripting():\n"
-        + f"        if _rt.skip({flags}):\n"
-        + "            return None\n"
         + f"        return {generic}\n"
         + idle
         + "".join(line + "\n" for line in body)
@@ -301,11 +300,10 @@ def _typed(fn: str, sig: str, ret_type: str, generic: str, body: list[str], ret:
     )
 
 
-def _untyped(fn: str, sig: str, generic: str, flags: int) -> str:
+def _untyped(fn: str, sig: str, generic: str) -> str:
+    """A hook with the run-time body only (it skips its own work while nothing records)."""
     return (
         "import picklehooks._hookrt as _rt\n"
         f"def {fn}({sig}):\n"
-        f"    if _rt.skip({flags}):\n"
-        "        return None\n"
         f"    return {generic}\n"
     )

@@ -38,6 +38,16 @@ from . import _hookrt, _state
 _ANYWHERE = _state._ANYWHERE  # the logs recording in any thread; the same list object for the process
 
 
+def _idle_truth(self) -> bool:
+    """``HookDict.__bool__`` while no log records anywhere (see :func:`_recording_changed`)."""
+    if not len(self):
+        return False
+    # is_compiling() first: torch.compile must see the hooks whatever the recording state,
+    # without a guard on it (reading _ANYWHERE would recompile when recording starts).
+    return (_hookrt._is_compiling() or bool(_ANYWHERE) or not self.idle_keys.issuperset(self)
+            or _hookrt._FX_SYMBOLIC() or _hookrt._is_jit_tracing())
+
+
 class HookDict(OrderedDict):
     """An ``OrderedDict`` of hooks whose truth value says whether ``nn.Module`` must run them now."""
 
@@ -47,13 +57,7 @@ class HookDict(OrderedDict):
         #: removed from the dict may linger here: only keys present in the dict count.
         self.idle_keys: set[int] = set()
 
-    def __bool__(self) -> bool:
-        if not len(self):
-            return False
-        # is_compiling() first: torch.compile must see the hooks whatever the recording state,
-        # without a guard on it (reading _ANYWHERE would recompile when recording starts).
-        return (_hookrt._is_compiling() or bool(_ANYWHERE) or not self.idle_keys.issuperset(self)
-                or _hookrt._FX_SYMBOLIC() or _hookrt._is_jit_tracing())
+    __bool__ = _idle_truth
 
     def __reduce__(self):
         return (OrderedDict, (list(self.items()),))
@@ -64,6 +68,20 @@ class HookDict(OrderedDict):
     def __deepcopy__(self, memo) -> OrderedDict:
         return OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self.items())
 
+
+def _recording_changed(recording: bool) -> None:
+    """While a log records anywhere, every non-empty dictionary is true, so ``HookDict`` drops
+    its ``__bool__``: a dictionary's own C-level truth test costs no Python call, three times
+    per module call (about 0.7 µs of a recorded call's 8 to 15). Called under ``_state._LOCK``."""
+    if recording:
+        if "__bool__" in HookDict.__dict__:
+            del HookDict.__bool__
+    else:
+        HookDict.__bool__ = _idle_truth
+
+
+_state._ON_CHANGE.append(_recording_changed)
+_recording_changed(bool(_ANYWHERE))
 
 _ATTRS = ("_forward_pre_hooks", "_forward_hooks")
 

@@ -17,6 +17,8 @@ from typing import Any
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("picklehooks_active_log", default=None)
 _ANYWHERE: list = []  # logs active in any thread, for autograd threads
 _LOCK = threading.Lock()
+# Called (under _LOCK) with whether any log records, each time a log starts or stops.
+_ON_CHANGE: list = []
 
 
 def active(*, from_autograd: bool = False):
@@ -38,6 +40,8 @@ def active(*, from_autograd: bool = False):
 def push(log) -> contextvars.Token:
     with _LOCK:
         _ANYWHERE.append(log)
+        for notify in _ON_CHANGE:
+            notify(True)
     return _ACTIVE.set(log)
 
 
@@ -45,6 +49,8 @@ def pop(log, token: contextvars.Token) -> None:
     _ACTIVE.reset(token)
     with _LOCK:
         _ANYWHERE.remove(log)
+        for notify in _ON_CHANGE:
+            notify(bool(_ANYWHERE))
 
 
 # Not used by this version's hooks (they read _ANYWHERE), but kept: the runtime that earlier
@@ -63,4 +69,5 @@ if __name__ != "picklehooks._state":
     except ImportError:
         pass
     else:
-        active, push, pop, idle, _ANYWHERE = _host.active, _host.push, _host.pop, _host.idle, _host._ANYWHERE
+        active, push, pop, idle = _host.active, _host.push, _host.pop, _host.idle
+        _ACTIVE, _ANYWHERE, _ON_CHANGE = _host._ACTIVE, _host._ANYWHERE, _host._ON_CHANGE

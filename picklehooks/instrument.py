@@ -392,6 +392,7 @@ def instrument(
                 enter, exit_ = _generate.range_hook_texts(in_shapes, out_shape)
                 handle._add(module, "_forward_pre_hooks", module.register_forward_pre_hook(_hook(enter)))
                 handle._add(module, "_forward_hooks", module.register_forward_hook(_hook(exit_), always_call=True))
+            _hookdict.restore(module)  # a dictionary left empty tests false in C, without a Python __bool__
     except BaseException:
         handle.remove()
         raise

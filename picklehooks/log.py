@@ -343,11 +343,13 @@ class Log:
             for waiting in (self._awaiting_grad.get(fkey), self._maybe_grad.get(fkey)):
                 if waiting:
                     return waiting.pop()
-        count = self._calls.get(key, 0)
-        call = count
+        calls = self._calls
+        call = count = calls.get(key, 0)
         if kind == "input" or kind == "output" and self._open:  # (no inputs recorded: nothing to pair)
             call = self._invocation(module, kind, path, count)
-        self._calls[key] = max(call + 1, count)
+            calls[key] = call + 1 if call >= count else count
+        else:
+            calls[key] = count + 1
         if expect:
             waiting = (self._awaiting_grad if expect == _SURE else self._maybe_grad).setdefault(key, [])
             waiting.append(call)
@@ -410,8 +412,10 @@ class Log:
         live = x if self.keep_graph else None
         stats = src = tensor = None
         if flags & STATS:
-            stats = native_stats(x) if x.numel() else EMPTY
-            if stats is None:
+            stats = native_stats(x)
+            if stats is None and not x.numel():
+                stats = EMPTY
+            elif stats is None:
                 x = x.detach()
                 pending = self._pending  # once: flush() replaces it
                 group, row = pending.add(x)
@@ -436,10 +440,12 @@ class Log:
         n = len(rows)  # a gradient hook on autograd's thread may append meanwhile: keep what comes after
         if n:
             rank = self.rank
+            append = records.append
             for module, kind, path, call, step, shape, dtype, stats, src, tensor, live in rows[:n]:
-                shape, dtype = tuple(shape), dtype_name(dtype)
-                records.append(Record(module, kind, path, call, step, shape=shape, dtype=dtype, tensor=tensor,
-                                      live=live, rank=rank, _src=src if stats is None else _Values(stats)))
+                # Positional: Record's field order (module ... step, shape, dtype, tensor, value,
+                # live, rank, _stats, _src); binding keywords costs more than the rest of the loop.
+                append(Record(module, kind, path, call, step, tuple(shape), dtype_name(dtype), tensor, None, live,
+                              rank, None, src if stats is None else _Values(stats)))
             del rows[:n]
         return records
 

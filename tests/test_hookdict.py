@@ -148,3 +148,73 @@ def test_idle_scripted_hooks_return_before_any_recording_op(monkeypatch):
         scripted(x).sum().backward()
     assert {"0", "1", "2"} <= {module for module, _, _ in delivered}
     assert {"input", "output", "param", "grad_output"} <= {kind for _, kind, _ in delivered}
+
+
+def test_truth_is_tested_in_c_while_any_log_records():
+    """While a log records anywhere, HookDict has no Python ``__bool__`` (three calls per module call
+    saved); it comes back when the last log stops, also when a recorded forward raised, and idle
+    hooks are skipped again."""
+    model = _model()
+    picklehooks.instrument(model)
+    x = torch.randn(3, 4)
+    assert "__bool__" in _hookdict.HookDict.__dict__ and not model[0]._forward_hooks
+    with picklehooks.record():
+        assert "__bool__" not in _hookdict.HookDict.__dict__ and model[0]._forward_hooks
+        with picklehooks.record():  # nested: the outer one still records after the inner one stops
+            pass
+        assert "__bool__" not in _hookdict.HookDict.__dict__
+        assert not _hookdict.HookDict(), "an empty dictionary must stay false"
+    assert "__bool__" in _hookdict.HookDict.__dict__ and not model[0]._forward_hooks
+    with pytest.raises(RuntimeError, match="boom"):
+        with picklehooks.record():
+            raise RuntimeError("boom")
+    assert "__bool__" in _hookdict.HookDict.__dict__ and not model[0]._forward_hooks
+    with picklehooks.record() as log:
+        model(x)
+    assert {r.module for r in log.records} == {"0", "1", "2"}
+
+
+def test_dictionaries_left_empty_stay_plain():
+    """A module whose pre-hooks aren't needed keeps a plain (C-tested) pre-hook dictionary."""
+    model = _model()
+    picklehooks.instrument(model)  # outputs and their gradients: forward hooks only
+    for m in model:
+        assert type(m._forward_pre_hooks) is OrderedDict and not m._forward_pre_hooks
+        assert type(m._forward_hooks) is _hookdict.HookDict
+    model = _model()
+    picklehooks.instrument(model, capture="input")
+    assert all(type(m._forward_pre_hooks) is _hookdict.HookDict for m in model)
+
+
+def test_hooks_generated_by_earlier_versions_record_the_same():
+    """Earlier versions' hook text asked ``_rt.skip`` before ``_rt.forward``/``_rt.pre_kw``; saved
+    models still carry it. Hooks built from that text record what today's do."""
+    from picklehooks.instrument import _hook
+
+    x = torch.randn(3, 4)
+    logs = []
+    for old in (False, True):
+        model = _model()
+        picklehooks.instrument(model, capture="all", example_inputs=(x,))
+        if old:
+            for m in model:
+                for hooks in (m._forward_hooks, m._forward_pre_hooks):
+                    for key, hook in list(hooks.items()):
+                        text = picklehooks.codec.decode(hook.__name__)
+                        head, call = text.split("return _rt.", 1)
+                        flags = next(a for a in call.split("(", 1)[1].split(", ") if a.isdigit())
+                        indent = head.rsplit("\n", 1)[1]
+                        hooks[key] = _hook(f"{head}if _rt.skip({flags}):\n{indent}    return None\n"
+                                           f"{indent}return _rt.{call}")
+                        assert "_rt.skip(" in picklehooks.codec.decode(hooks[key].__name__)
+        with picklehooks.record() as log:
+            model(x).sum().backward()
+        logs.append({r.key: r.stats for r in log.records})
+    assert logs[0] and logs[0].keys() == logs[1].keys()
+    for key, stats in logs[0].items():  # the same model, input and arithmetic: equal to rounding
+        other = logs[1][key]
+        assert {k: v for k, v in stats.items() if not isinstance(v, float)} == \
+            {k: v for k, v in other.items() if not isinstance(v, float)}, key
+        for name, value in stats.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(other[name], rel=1e-6, abs=1e-9), (key, name)
