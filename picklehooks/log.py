@@ -408,7 +408,7 @@ class Log:
         ``x`` is copied into a row of a batch that is reduced later, on its
         device (:class:`_Pending`), with no host sync either way.
         """
-        call = self._next_call(module, kind, path, _expects_grad(kind, x, flags))
+        call = self._next_call(module, kind, path, _expects_grad(kind, x, flags) if kind in _PAIRED else 0)
         live = x if self.keep_graph else None
         stats = src = tensor = None
         if flags & STATS:
