@@ -263,49 +263,6 @@ def _defined() -> bool:
 def _define_ops() -> None:
     """Register the ops (once per process)."""
 
-    @torch.library.custom_op(f"{_NAMESPACE}::tap", mutates_args=())
-    def tap(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
-        if flags & GUARD:
-            check_finite(x, module, kind, path)
-        if flags & VALUE:
-            _deliver(x, module, kind, path, flags)
-        elif flags & GRAD and not flags & COUNTED:
-            log = _state.active()
-            if log is not None:
-                log._note_call(module, kind, path, x, flags)  # so the gradient's record gets the right call
-        return x.clone()
-
-    @tap.register_fake
-    def _tap_fake(x, module, kind, path, flags):
-        return torch.empty_like(x)
-
-    @torch.library.custom_op(f"{_NAMESPACE}::tap_grad", mutates_args=())
-    def tap_grad(g: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
-        if flags & GUARD:
-            check_finite(g, module, kind, path, from_autograd=True)
-        if flags & GRAD:
-            _deliver(g, module, kind, path, flags, from_autograd=True)
-        return g.clone()
-
-    @tap_grad.register_fake
-    def _tap_grad_fake(g, module, kind, path, flags):
-        return torch.empty_like(g)
-
-    def _tap_setup(ctx, inputs, output) -> None:
-        ctx.module, ctx.kind, ctx.path, ctx.flags = inputs[1:5]
-        # A number per tap site, above the flag bits: two calls of one module whose
-        # gradients are the same tensor (f(a) + f(b)) must not look like one call to a
-        # compiler's common-subexpression elimination in the backward graph.
-        ctx.site = next(_SITES) % _SITE_MODULUS
-
-    def _tap_backward(ctx, grad):
-        if ctx.flags & (GRAD | GUARD) and grad is not None:
-            grad = torch.ops.picklehooks.tap_grad(grad, ctx.module, "grad_" + ctx.kind, ctx.path,
-                                                  ctx.flags | ctx.site << _SITE_SHIFT)
-        return grad, None, None, None, None
-
-    tap.register_autograd(_tap_backward, setup_context=_tap_setup)
-
     @torch.library.custom_op(f"{_NAMESPACE}::tap_state", mutates_args=())
     def tap_state(
         x: torch.Tensor, values: list[Optional[torch.Tensor]], module: str, kind: str, names: str, flags: int
@@ -439,9 +396,86 @@ _EFFECT_OPS = {
 _LIBRARY = None  # kept alive: dropping a Library removes its registrations
 
 
+def _tap_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    if flags & GUARD:
+        check_finite(x, module, kind, path)
+    if flags & VALUE:
+        _deliver(x, module, kind, path, flags)
+    elif flags & GRAD and not flags & COUNTED:
+        log = _state.active()
+        if log is not None:
+            log._note_call(module, kind, path, x, flags)  # so the gradient's record gets the right call
+    return x.clone()
+
+
+def _tap_grad_kernel(g: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    if flags & GUARD:
+        check_finite(g, module, kind, path, from_autograd=True)
+    if flags & GRAD:
+        _deliver(g, module, kind, path, flags, from_autograd=True)
+    return g.clone()
+
+
+def _fake_like(x: torch.Tensor, *args) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _TapFunction(torch.autograd.Function):
+    """``tap``'s autograd formula: its backward hands the gradient to ``tap_grad``."""
+
+    @staticmethod
+    def forward(ctx, x, module, kind, path, flags):
+        ctx.module, ctx.kind, ctx.path, ctx.flags = module, kind, path, flags
+        # A number per tap site, above the flag bits: two calls of one module whose
+        # gradients are the same tensor (f(a) + f(b)) must not look like one call to a
+        # compiler's common-subexpression elimination in the backward graph.
+        ctx.site = next(_SITES) % _SITE_MODULUS
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.picklehooks.tap.default(x, module, kind, path, flags)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.flags & (GRAD | GUARD) and grad is not None:
+            grad = torch.ops.picklehooks.tap_grad.default(grad, ctx.module, "grad_" + ctx.kind, ctx.path,
+                                                          ctx.flags | ctx.site << _SITE_SHIFT)
+        return grad, None, None, None, None
+
+
+_tap_function = super(torch.autograd.Function, _TapFunction).apply  # the C apply: no signature binding
+
+
+def _tap_autograd(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    """``tap`` at the Autograd key: through :class:`_TapFunction` where a gradient can flow."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        if torch._C._are_functorch_transforms_active():
+            return _TapFunction.apply(x, module, kind, path, flags)
+        return _tap_function(x, module, kind, path, flags)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.picklehooks.tap.default(x, module, kind, path, flags)
+
+
+# tap and tap_grad: ``Library`` ops with Python kernels, rather than torch.library.custom_op,
+# whose layers cost about 11 µs per call (TorchScript and jit.trace graphs call them for every
+# gradient tap) against 1 to 3 here. The schemas are the ones custom_op inferred, which saved
+# scripted models and exported programs name.
+_TAP_OPS = {
+    "tap": "tap(Tensor x, str module, str kind, str path, SymInt flags) -> Tensor",
+    "tap_grad": "tap_grad(Tensor g, str module, str kind, str path, SymInt flags) -> Tensor",
+}
+
+
+def _define_tap_ops(lib) -> None:
+    for name, schema in _TAP_OPS.items():
+        lib.define(schema)
+        lib.impl(name, _tap_kernel if name == "tap" else _tap_grad_kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", _fake_like, lib=lib)
+    lib.impl("tap", _tap_autograd, "Autograd")
+
+
 def _define_effect_ops() -> None:
     global _LIBRARY
     lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    _define_tap_ops(lib)
     for name, (schema, kernel) in _EFFECT_OPS.items():
         lib.define(schema, alias_analysis="CONSERVATIVE")
         lib.impl(name, kernel, "CompositeExplicitAutograd")
