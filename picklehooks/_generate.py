@@ -144,7 +144,12 @@ class _Emitter:
             flags = (flags & ~VALUE) | COUNTED
         if not self.carries_grad:
             return expr
-        return f"torch.ops.picklehooks.tap({expr}, name, {self.kind!r}, {path_expr}, {flags})"
+        tap = f"torch.ops.picklehooks.tap({expr}, name, {self.kind!r}, {path_expr}, {flags})"
+        if flags & COUNTED and not flags & GUARD:
+            # Counted by record, checked by no guard: the tap only carries a gradient, and none
+            # can flow back to a value that doesn't require grad (a no_grad forward).
+            return f"({tap} if {expr}.requires_grad else {expr})"
+        return tap
 
     def emit(self, shape: Shape, expr: str, path: str, indent: str) -> str:
         """Append lines tapping ``expr``; return the variable (or expression) holding what the model gets."""
