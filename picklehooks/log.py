@@ -425,7 +425,9 @@ class Log:
         if flags & TENSOR and tensor is None:
             # A copy: the caller's tensor may change in place later (inplace ReLU,
             # optimizer steps, gradient accumulation). One memory pass, no sync.
-            tensor = x.detach().clone(memory_format=torch.contiguous_format)
+            # detach() and memory_format= only where needed: together they cost more than the copy.
+            value = x.detach() if x.requires_grad else x
+            tensor = value.clone() if value.is_contiguous() else value.contiguous()
         if tensor is not None:
             self._tensor_bytes += x.numel() * x.element_size()
         self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, src, tensor, live))

@@ -867,3 +867,31 @@ class TestVjp:
             log.vjp("2", "0")
         with pytest.raises(picklehooks.PicklehooksError, match="names 0 records"):
             log.vjp("nope", "0")
+
+
+class Transposes(nn.Module):
+    def forward(self, x):
+        return x.t()  # a non-contiguous view of its input
+
+
+@pytest.mark.parametrize("mode", ["tensor", "both"])
+def test_kept_tensors_are_contiguous_detached_copies(mode):
+    """What ``mode="tensor"`` keeps is a plain, contiguous, detached copy: a transposed view, a
+    value that requires grad and a frozen parameter alike; later in-place changes don't reach it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), Transposes())
+    model[0].bias.requires_grad_(False)
+    picklehooks.instrument(model, capture=("output", "param"), mode=mode)
+    x = torch.randn(2, 4)
+    with picklehooks.record() as log:
+        out = model(x)
+    want = {("1", "output", ""): out.detach().clone(), ("0", "output", ""): model[0](x).detach(),
+            ("0", "param", "weight"): model[0].weight.detach().clone(), ("0", "param", "bias"): model[0].bias.clone()}
+    with torch.no_grad():
+        out.mul_(0)
+        model[0].bias.zero_()
+    got = {r.key[:3]: r.tensor for r in log.records}
+    assert got.keys() == want.keys()
+    for key, tensor in got.items():
+        assert type(tensor) is torch.Tensor and tensor.is_contiguous() and not tensor.requires_grad, key
+        torch.testing.assert_close(tensor, want[key], rtol=0, atol=0)
