@@ -34,13 +34,15 @@ import dataclasses
 
 import torch
 
-from . import _ops, _state
+from . import _ops, _state, _stats
 from ._shim import PicklehooksError
 
 _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
 
 _tap = torch.ops.picklehooks.tap
 _record = torch.ops.picklehooks.record
+# None under an older picklehooks on the host of a torch.package archive made by this version.
+_record_stats = getattr(torch.ops.picklehooks, "record_stats", None)
 _record_state = torch.ops.picklehooks.record_state
 _watch = torch.ops.picklehooks.watch
 _watch_one = torch.ops.picklehooks.watch_one
@@ -203,6 +205,15 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     return x
 
 
+def _stats_in_graph(x, flags: int) -> bool:
+    """Whether a graph being compiled computes ``x``'s statistics itself (``mode="stats"``; a plain
+    tensor, not a DTensor, whose shard the record op's kernel records; a dtype Inductor can reduce
+    as exactly as the kernel; not empty). FX and ``jit.trace`` graphs call the record op."""
+    return (flags & _ops.STATS and not flags & _ops.TENSOR and _is_compiling() and _record_stats is not None
+            and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter)
+            and x.dtype in _stats.GRAPH_DTYPES and x.numel() > 0)
+
+
 def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     """What a graph runs for one tensor: the ``record`` op reads it where it is.
 
@@ -214,7 +225,10 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
         # model): the compiled forward runs without autograd. Tell the kernels, for pairing.
         flags |= _ops.GRAD_SURE if x.requires_grad else _ops.GRAD_NONE
     if flags & _ops.VALUE:
-        _record(x, name, kind, path, flags)
+        if _stats_in_graph(x, flags):
+            _record_stats(_stats.graph_stats(x), name, kind, path, flags, x.shape, x.dtype)
+        else:
+            _record(x, name, kind, path, flags)
         flags = (flags & ~_ops.VALUE) | _ops.COUNTED
     if flags & (_ops.GRAD | _ops.GUARD):
         return _tap(x, name, kind, path, flags)

@@ -360,6 +360,13 @@ def _record_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: in
     _deliver(x, module, kind, path, flags)
 
 
+def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str, flags: int, shape: list,
+                         dtype: torch.dtype) -> None:
+    log = _state.active()
+    if log is not None:
+        log._add_stats(module, kind, path, stats, flags, tuple(shape), dtype)
+
+
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
     # Schemas have no list-of-str type, so the names arrive comma-joined.
     for name, value in zip(names.split(","), values):
@@ -387,6 +394,10 @@ def _active_kernel(flags: int) -> bool:
 
 _EFFECT_OPS = {
     "record": ("record(Tensor x, str module, str kind, str path, int flags) -> ()", _record_kernel),
+    # What a compiled (or exported) graph calls instead of record in mode "stats": the graph
+    # computed the statistics (picklehooks._stats.graph_stats); the value's shape and dtype name it.
+    "record_stats": ("record_stats(Tensor stats, str module, str kind, str path, int flags, SymInt[] shape, "
+                     "ScalarType dtype) -> ()", _record_stats_kernel),
     "record_state": ("record_state(Tensor?[] values, str module, str kind, str names, int flags) -> ()",
                      _record_state_kernel),
     "watch": ("watch(Tensor?[] params, str module, str names, int flags) -> ()", _watch_kernel),

@@ -211,3 +211,32 @@ def tensor_stats(x: torch.Tensor) -> list[float]:
     if x.numel() == 0:
         return list(EMPTY)
     return matrix_stats(x.reshape(1, -1), exact=True)[0].tolist()
+
+
+#: Dtypes whose statistics a compiled graph computes itself (:func:`graph_stats`). Others go to
+#: the record op: float64, whose sums can overflow and need scaling; float16 and bfloat16, which
+#: Inductor computes in float32 and, fusing the reduction, doesn't round first (its
+#: ``emulate_precision_casts`` is off), so the statistics would be of other values than eager's
+#: (about 1e-3 apart); integers and complex.
+GRAPH_DTYPES = (torch.float32,)
+
+
+def graph_stats(x: torch.Tensor) -> torch.Tensor:
+    """The :data:`STAT_NAMES` values of a non-empty float32 tensor (:data:`GRAPH_DTYPES`), as one
+    float64 tensor computed by torch ops alone: what a graph compiled by ``torch.compile`` (or
+    exported) computes in place of the record op's kernel, so Inductor fuses the reductions.
+
+    The semantics of :func:`tensor_stats`: sums in float64 (float32 values can't overflow
+    them), ``std`` in two passes, NaN/Inf propagating as there, ``zero_frac`` as ``zeros / n``.
+    """
+    n = x.numel()
+    v = x.reshape(-1).to(torch.float64)
+    mean = v.sum() / n
+    std = (v - mean).square().sum().div(n).sqrt()
+    norm = torch.linalg.vector_norm(v)
+    lo, hi = x.amin().to(torch.float64), x.amax().to(torch.float64)
+    absmax = torch.maximum(lo.abs(), hi.abs())
+    nan = torch.isnan(x).sum().to(torch.float64)
+    inf = torch.isinf(x).sum().to(torch.float64)
+    zero_frac = (x == 0).sum().to(torch.float64) / n
+    return torch.stack([mean, std, lo, hi, absmax, norm, nan, inf, zero_frac])

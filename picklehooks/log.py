@@ -85,6 +85,14 @@ class _Group:
         self.table: torch.Tensor | None = None  # on the device, once reduced
         self.rows: list[list[float]] | None = None  # on the host, once read
 
+    @classmethod
+    def of_table(cls, table: torch.Tensor) -> _Group:
+        """A group of one row whose statistics were computed elsewhere (by a compiled graph)."""
+        group = cls.__new__(cls)
+        group.data = group.views = group.rows = None
+        group.used, group.table = 1, table.view(1, -1)
+        return group
+
     def reduce(self, *, exact: bool) -> torch.Tensor:
         """Compute the table (no sync), release the copies; return the matrix reduced."""
         n = self.views[0].numel()
@@ -135,6 +143,12 @@ class _Pending:
         if self.bytes > PENDING_BYTES:
             self.reduce(exact=True)
         return group, row
+
+    def add_table(self, stats: torch.Tensor) -> _Group:
+        """Keep statistics computed on the device (no copy of the value, no sync); read with the rest."""
+        group = _Group.of_table(stats)
+        self.reduced.append(group)
+        return group
 
     def reduce(self, *, exact: bool) -> dict[int, torch.Tensor]:
         """Turn every group's copies into a table on its device (no sync); return the matrices by group id."""
@@ -431,6 +445,24 @@ class Log:
         if tensor is not None:
             self._tensor_bytes += x.numel() * x.element_size()
         self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, src, tensor, live))
+
+    def _add_stats(self, module: str, kind: str, path: str, stats: torch.Tensor, flags: int, shape: tuple,
+                   dtype: torch.dtype) -> None:
+        """Record the :data:`STAT_NAMES` values a compiled graph computed for a value (a float64
+        tensor on its device; see :func:`picklehooks._stats.graph_stats`), read with the log's others.
+
+        Tracing set ``GRAD_SURE``/``GRAD_NONE`` where gradients are captured; where they
+        aren't, none will come to pair with.
+        """
+        expect = _SURE if kind in _PAIRED and flags & GRAD_SURE else 0
+        call = self._next_call(module, kind, path, expect)
+        # Not kept as it is: the graph reuses the buffer for later values once the op returns.
+        if stats.is_cpu:
+            values, src = tuple(stats.tolist()), None  # nine floats; no device to wait for
+        else:
+            pending = self._pending
+            values, src = None, (pending, pending.add_table(stats.clone()), 0)  # no sync
+        self._rows.append((module, kind, path, call, self.step, shape, dtype, values, src, None, None))
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
         self._records_now().append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
