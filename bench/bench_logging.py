@@ -34,6 +34,13 @@ Sections (``--only`` takes a comma-separated subset; default all):
 * ``script``: the MLP under TorchScript: ``torch.jit.script`` of the plain
   model against ``torch.jit.script`` of the model instrumented with
   ``scriptable=True`` (the baseline here is the scripted plain model).
+* ``compile``: the MLP under ``torch.compile(fullgraph=True)`` (Inductor;
+  a fresh ``TORCHINDUCTOR_CACHE_DIR`` unless one is set): the compiled plain
+  model against the compiled instrumented one, idle and recording, with the
+  statistics computed by the record op's kernel at run time (the default
+  where the native kernel is built) and by the graph itself (Inductor's
+  fused reductions; the default elsewhere). Each variant is its own
+  ``nn.Sequential`` subclass, so Dynamo can't reuse another's graph.
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
@@ -120,7 +127,7 @@ from torch import nn
 
 import picklehooks
 
-SECTIONS = ("mlp", "transformer", "hf", "script", "torchlens")
+SECTIONS = ("mlp", "transformer", "hf", "script", "compile", "torchlens")
 
 BASE = "un-instrumented"
 NOOP = "no-op forward hook on every module (floor)"
@@ -133,6 +140,12 @@ S_BASE = "scripted plain model"
 S_QUIET = "scripted instrumented (scriptable=True), not recording"
 S_STATS = "scripted instrumented, recording stats (+ reading them)"
 S_EAGER = "eager plain model (reference)"
+C_BASE = "compiled plain model"
+C_QUIET = "compiled instrumented, not recording (statistics by the record op's kernel)"
+C_STATS = "compiled instrumented, recording stats (by the record op's kernel, + reading them)"
+C_GQUIET = "compiled instrumented, not recording (statistics by the graph)"
+C_GSTATS = "compiled instrumented, recording stats (by the graph, + reading them)"
+C_EAGER = "eager plain model (reference)"
 
 # Targets of issue 12, by group of tables; a table's variants not named here have none.
 TARGETS: dict[str, dict[str, float]] = {
@@ -533,6 +546,49 @@ def script_section(setup: Setup) -> None:
             print(f"\nSkipped by instrument(scriptable=True): {', '.join(handle.skipped)}")
 
 
+def compile_section(setup: Setup) -> None:
+    import tempfile
+
+    from picklehooks import _hookrt
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
+    model, x = make_mlp()
+    model, x = model.to(setup.device), x.to(setup.device)
+    task = tensor_task(model, x)
+
+    def own_class(m: nn.Module, i: int) -> nn.Module:
+        m.__class__ = type(f"BenchVariant{i}", (nn.Sequential,), {})  # Dynamo guards on the type
+        return m
+
+    for backward in (False, True):
+        phase = f"MLP under torch.compile(fullgraph=True), {'forward+backward' if backward else 'forward (no_grad)'}"
+        progress(f"measuring: {phase} (compiling)")
+        plain = torch.compile(own_class(copy.deepcopy(model), 0), fullgraph=True)
+        compiled = {}
+        for i, in_graph in ((1, False), (2, True)):
+            hooked = own_class(copy.deepcopy(model), i)
+            picklehooks.instrument(hooked)
+            run = workload(torch.compile(hooked, fullgraph=True), task, backward)
+            saved = _hookrt._GRAPH_STATS_ON_CPU
+            _hookrt._GRAPH_STATS_ON_CPU = in_graph  # read while compiling: the first call
+            try:
+                run()
+                recording(run, read_stats=True)()  # backward graphs compile on the first backward
+            finally:
+                _hookrt._GRAPH_STATS_ON_CPU = saved
+            compiled[in_graph] = run
+        variants = {
+            C_BASE: workload(plain, task, backward),
+            C_QUIET: compiled[False],
+            C_STATS: recording(compiled[False], read_stats=True),
+            C_GQUIET: compiled[True],
+            C_GSTATS: recording(compiled[True], read_stats=True),
+            C_EAGER: workload(copy.deepcopy(model), task, backward),
+        }
+        times = measure(variants, setup, warmup=5)
+        table(phase, times, C_BASE, setup, {}, summary=f"compile {'fwd+bwd' if backward else 'fwd'}")
+
+
 def torchlens_phase(setup: Setup, baseline: dict[str, list[float]] | None) -> None:
     try:
         import torchlens
@@ -670,6 +726,8 @@ def main() -> None:
         hf_section(setup)
     if "script" in sections:
         script_section(setup)
+    if "compile" in sections:
+        compile_section(setup)
     if "torchlens" in sections:
         torchlens_phase(setup, mlp_forward_baseline if device.type == "cpu" else None)
         print("\nTorchLens forward+backward: not measured (trace() logs a forward pass).")

@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from . import _ops, _state, _stats
+from . import _native, _ops, _state, _stats
 from ._shim import PicklehooksError
 
 _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
@@ -205,13 +205,23 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     return x
 
 
+# Whether a compiled graph reduces CPU values itself. Not where the native kernel is there: the
+# record op's kernel then reads the value once at run time, which measured faster than Inductor's
+# fused reductions (bench/bench_logging.py, "compile"), and costs nothing while nothing records,
+# whereas reductions in the graph run whether or not anything records.
+_GRAPH_STATS_ON_CPU = not _native.AVAILABLE
+
+
 def _stats_in_graph(x, flags: int) -> bool:
-    """Whether a graph being compiled computes ``x``'s statistics itself (``mode="stats"``; a plain
-    tensor, not a DTensor, whose shard the record op's kernel records; a dtype Inductor can reduce
-    as exactly as the kernel; not empty). FX and ``jit.trace`` graphs call the record op."""
+    """Whether a graph being compiled computes ``x``'s statistics itself: ``mode="stats"``; a plain
+    tensor (a DTensor goes to the record op's kernel, which records its shard); a dtype Inductor
+    reduces as exactly as eager (:data:`~picklehooks._stats.GRAPH_DTYPES`); not empty; on a device
+    without the native kernel, where the record op would copy the value to reduce it later. FX and
+    ``jit.trace`` graphs always call the record op."""
     return (flags & _ops.STATS and not flags & _ops.TENSOR and _is_compiling() and _record_stats is not None
             and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter)
-            and x.dtype in _stats.GRAPH_DTYPES and x.numel() > 0)
+            and x.dtype in _stats.GRAPH_DTYPES and x.numel() > 0
+            and (_GRAPH_STATS_ON_CPU or x.device.type != "cpu"))
 
 
 def _traced_tap(x, name: str, kind: str, path: str, flags: int):

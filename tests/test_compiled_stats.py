@@ -3,7 +3,9 @@
 In ``mode="stats"`` a compiled graph reduces each recorded float32 value
 with its own ops (Inductor fuses them) and hands the nine numbers to the
 ``record_stats`` op; other dtypes, and ``mode="tensor"``, still go through
-the ``record`` op. Ground truth: plain forward hooks on an
+the ``record`` op. On the CPU it does so only without the native kernel
+(which reads the value at run time, faster): the ``graph`` fixture runs
+every test both ways. Ground truth: plain forward hooks on an
 un-instrumented copy, and plain PyTorch in float64.
 """
 
@@ -17,8 +19,16 @@ import torch
 from torch import nn
 
 import picklehooks
+import picklehooks._hookrt
 from picklehooks.log import STAT_NAMES
 from tests.test_faithful_stats import Masks, plain_outputs, reference
+
+
+@pytest.fixture(params=["graph", "kernel"], autouse=True)
+def graph(request, monkeypatch):
+    """Statistics reduced by the compiled graph, or by the record op's kernel (native, or the fallback)."""
+    monkeypatch.setattr(picklehooks._hookrt, "_GRAPH_STATS_ON_CPU", request.param == "graph")
+    return request.param
 
 
 def plain_reference(t: torch.Tensor) -> dict:
@@ -84,14 +94,14 @@ def ops_in_graph(model: nn.Module, x: torch.Tensor) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["stats", "tensor"])
-def test_the_graph_reduces_in_mode_stats_only(mode):
+def test_the_graph_reduces_in_mode_stats_only(mode, graph):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2).double())
     picklehooks.instrument(model, capture="output", mode=mode)
     x = torch.randn(3, 4)
     model[2].register_forward_pre_hook(lambda m, args: (args[0].double(),))
     ops = ops_in_graph(model, x)
-    if mode == "stats":  # the float64 output of the last Linear goes to the record op
+    if mode == "stats" and graph == "graph":  # the float64 output of the last Linear goes to the record op
         assert ops == ["picklehooks.record_stats"] * 2 + ["picklehooks.record"], ops
     else:
         assert ops == ["picklehooks.record"] * 3, ops
