@@ -64,6 +64,9 @@ initial model:
    backward, a tensor hook that copies the gradient): the floor of any
    recording that must survive later in-place changes, before computing
    a single statistic;
+1d. a forward hook on every module that only computes the native statistics of
+   its output (and of its gradient, through a tensor hook), keeping nothing
+   else: the floor of recording statistics with ``picklehooks._native``;
 2. ``instrument(model)`` (defaults: capture output + grad_output, stats), not recording;
 3. the same model under ``record()``, then ``log.records[-1].stats``, which
    copies every record's statistics to the host (so the cost of reading them is included);
@@ -133,6 +136,7 @@ BASE = "un-instrumented"
 NOOP = "no-op forward hook on every module (floor)"
 QUIET = "instrumented, not recording"
 COPY = "hooks that only copy every output and gradient (floor)"
+NATIVE = "hooks that only compute the native statistics of every output and gradient (floor)"
 STATS = "recording stats (+ reading them)"
 TENSOR = "recording tensors (mode=\"tensor\")"
 NAIVE = "hand-written closure hooks (.item() stats)"
@@ -278,6 +282,25 @@ def add_copy_hooks(model: nn.Module, store: list) -> None:
     for name, module in model.named_modules():
         if name:
             module.register_forward_hook(copy_hook)
+
+
+def add_native_hooks(model: nn.Module, store: list) -> None:
+    """The least recording statistics does: one native pass over every output and gradient, no
+    bookkeeping (on devices or builds without the native kernel it computes nothing)."""
+    from picklehooks import _native
+
+    def stats_of_grad(grad):
+        store.append(_native.stats(grad))
+
+    def stats_hook(module, inputs, output):
+        if isinstance(output, torch.Tensor):
+            store.append(_native.stats(output))
+            if output.requires_grad:
+                output.register_hook(stats_of_grad)
+
+    for name, module in model.named_modules():
+        if name:
+            module.register_forward_hook(stats_hook)
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -441,6 +464,15 @@ def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple
         copy_work()
         copies.clear()
 
+    native_model = copy.deepcopy(model)
+    native_rows: list = []
+    add_native_hooks(native_model, native_rows)
+    native_work = workload(native_model, task, backward)
+
+    def native_run():
+        native_work()
+        native_rows.clear()
+
     naive_work = workload(naive_model, task, backward)
 
     def naive_run():
@@ -452,6 +484,7 @@ def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple
         NOOP: workload(noop_model, task, backward),
         QUIET: variants[QUIET],
         COPY: copy_run,
+        NATIVE: native_run,
         STATS: variants[STATS],
         TENSOR: recording(workload(tensor_model, task, backward), read_stats=False),
         NAIVE: naive_run,
