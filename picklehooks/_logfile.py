@@ -56,13 +56,7 @@ def _from_json_float(value):
 @functools.lru_cache(maxsize=None)
 def dtype_name(dtype: torch.dtype) -> str:
     """How records name a dtype: ``"float32"``."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # a few entries: dtypes are a closed set
+    return str(dtype).replace("torch.", "")
 
 
 def save(path: str | os.PathLike, rows: list[dict], tensors: dict[int, torch.Tensor], step: int) -> None:

@@ -895,3 +895,21 @@ def test_kept_tensors_are_contiguous_detached_copies(mode):
     for key, tensor in got.items():
         assert type(tensor) is torch.Tensor and tensor.is_contiguous() and not tensor.requires_grad, key
         torch.testing.assert_close(tensor, want[key], rtol=0, atol=0)
+
+
+def test_statistics_computed_on_a_device_are_read_with_the_rest():
+    """What a compiled graph on a GPU hands the log (``_Pending.add_table``): kept on the device until
+    the first read, which brings them over with the batched statistics (here on the CPU)."""
+    from picklehooks.log import _Pending, _read_pending
+
+    pending = _Pending()
+    first = torch.arange(9, dtype=torch.float64)
+    copied = torch.randn(4, 5)
+    group_a = pending.add_table(first.clone())
+    group_b, _ = pending.add(copied)
+    group_c = pending.add_table(first * 2)
+    assert group_a.rows is None and group_c.rows is None  # nothing read yet
+    assert _read_pending((pending, group_a, 0)) == first.tolist()
+    assert _read_pending((pending, group_c, 0)) == (first * 2).tolist()
+    stats = dict(zip(STAT_NAMES, _read_pending((pending, group_b, 0))))
+    assert stats["mean"] == pytest.approx(copied.double().mean().item(), rel=1e-9)
