@@ -218,3 +218,21 @@ def test_hooks_generated_by_earlier_versions_record_the_same():
         for name, value in stats.items():
             if isinstance(value, float):
                 assert value == pytest.approx(other[name], rel=1e-6, abs=1e-9), (key, name)
+
+
+def test_compiled_first_while_recording_does_not_recompile_when_idle():
+    """Compiled while a log records (HookDict then has no __bool__ of its own), then run idle and
+    recording again: one graph, records each time."""
+    torch._dynamo.reset()
+    model = _model()
+    picklehooks.instrument(model)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = torch.randn(3, 4)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        with picklehooks.record() as first:
+            compiled(x)
+        compiled(x)
+        with picklehooks.record() as again:
+            compiled(x)
+    assert [r.key for r in first.records] == [r.key for r in again.records]
+    assert {r.module for r in again.records} == {"0", "1", "2"}
