@@ -3,11 +3,14 @@
 Values are read by ops with no output (:data:`_EFFECT_OPS`): declared
 CONSERVATIVE, so TorchScript assumes side effects and keeps them, and
 registered as ORDERED effects, so ``torch.compile`` and ``torch.export``
-thread them with effect tokens and never drop, merge or reorder them. The
-model keeps its own tensors (no copy): in-place modules and ``a is b`` behave
-as without picklehooks.
+thread them with effect tokens and never drop or merge them, and order them
+(but see the limits below). The model keeps its own tensors (no copy):
+in-place modules and ``a is b`` behave as without picklehooks.
 
 * ``picklehooks::record(x, module, kind, path, flags)``: record ``x``.
+* ``picklehooks::record_stats(stats, module, kind, path, flags, shape, dtype)``:
+  record statistics that a compiled or exported graph computed itself
+  (:func:`picklehooks._stats.graph_stats`) for a value of that shape and dtype.
 * ``picklehooks::record_state(values, module, kind, names, flags)``: record
   parameters or buffers (``names`` comma-joined).
 * ``picklehooks::watch_one(param, module, name, flags)``: the same for one
@@ -45,9 +48,11 @@ Gradients need an op in the dataflow, whose autograd formula sees them:
 :data:`PARAM_GRAD`, :data:`GUARD`, :data:`COUNTED`; a gradient tap's site
 number sits above them (see ``_tap_setup``).
 
-Limits: the ops are registered when picklehooks is imported; a process that
-loads a scripted or exported instrumented model must import picklehooks
-first. Gradient capture costs one copy per tapped tensor in graphs, and that
+Limits: Inductor in torch 2.13 loses the ordering edges between effectful
+ops (pytorch/pytorch#189209), so a compiled graph may run record ops out of
+program order. The ops are registered when picklehooks is imported; a
+process that loads a scripted or exported instrumented model must import
+picklehooks first. Gradient capture costs one copy per tapped tensor in graphs, and that
 copy can move Inductor's fusion boundaries (gradients then differ in the last
 bits); eager hooks skip the ops entirely while nothing records.
 """
@@ -466,9 +471,10 @@ def _tap_autograd(x: torch.Tensor, module: str, kind: str, path: str, flags: int
 
 
 # tap and tap_grad: ``Library`` ops with Python kernels, rather than torch.library.custom_op,
-# whose layers cost about 11 µs per call (TorchScript and jit.trace graphs call them for every
-# gradient tap) against 1 to 3 here. The schemas are the ones custom_op inferred, which saved
-# scripted models and exported programs name.
+# whose layers made a tap cost about 12 µs without grad and 27 µs with (TorchScript and
+# jit.trace graphs call it for every gradient tap), against about 8 and 12 here, a 32 KiB
+# copy included. The schemas are the ones custom_op inferred, which saved scripted models and
+# exported programs name.
 _TAP_OPS = {
     "tap": "tap(Tensor x, str module, str kind, str path, SymInt flags) -> Tensor",
     "tap_grad": "tap_grad(Tensor g, str module, str kind, str path, SymInt flags) -> Tensor",
