@@ -337,6 +337,14 @@ def workload(model: nn.Module, task: Task, backward: bool) -> Callable[[], None]
     return run
 
 
+def clearing(run: Callable[[], None], kept: list) -> Callable[[], None]:
+    """``run``, then empty the list its hooks fill (so memory doesn't grow over the rounds)."""
+    def run_and_clear():
+        run()
+        kept.clear()
+    return run_and_clear
+
+
 def recording(run: Callable[[], None], read_stats: bool) -> Callable[[], None]:
     def rec():
         with picklehooks.record() as log:
@@ -458,36 +466,20 @@ def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple
     add_naive_hooks(naive_model, store)
     copies: list = []
     add_copy_hooks(copy_model, copies)
-    copy_work = workload(copy_model, task, backward)
-
-    def copy_run():
-        copy_work()
-        copies.clear()
-
     native_model = copy.deepcopy(model)
     native_rows: list = []
     add_native_hooks(native_model, native_rows)
-    native_work = workload(native_model, task, backward)
-
-    def native_run():
-        native_work()
-        native_rows.clear()
-
     naive_work = workload(naive_model, task, backward)
-
-    def naive_run():
-        naive_work()
-        store.clear()
 
     variants = {
         BASE: variants[BASE],
         NOOP: workload(noop_model, task, backward),
         QUIET: variants[QUIET],
-        COPY: copy_run,
-        NATIVE: native_run,
+        COPY: clearing(workload(copy_model, task, backward), copies),
+        NATIVE: clearing(workload(native_model, task, backward), native_rows),
         STATS: variants[STATS],
         TENSOR: recording(workload(tensor_model, task, backward), read_stats=False),
-        NAIVE: naive_run,
+        NAIVE: clearing(naive_work, store),
     }
     extra.update(store=store, naive_work=naive_work)
     return variants, extra

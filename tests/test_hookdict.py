@@ -109,18 +109,25 @@ def test_remove_restores_plain_dicts():
         assert type(m._forward_pre_hooks) is OrderedDict
 
 
-def test_compiled_model_records_and_does_not_recompile_when_recording_toggles():
+@pytest.mark.parametrize("compiled_while", ["idle", "recording"])
+def test_compiled_model_records_and_does_not_recompile_when_recording_toggles(compiled_while):
+    """One graph whether recording is on or off, whichever state it was compiled in (while a log
+    records, HookDict has no __bool__ of its own); records every time it records."""
     torch._dynamo.reset()
     model = _model()
     picklehooks.instrument(model)
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     x = torch.randn(3, 4)
+    logs = []
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled(x)
-        with picklehooks.record() as log:
-            compiled(x)
-        compiled(x)
-    assert {r.module for r in log.records} == {"0", "1", "2"}
+        for recording in ([False, True, False, True] if compiled_while == "idle" else [True, False, True]):
+            if recording:
+                with picklehooks.record() as log:
+                    compiled(x)
+                logs.append(log)
+            else:
+                compiled(x)
+    assert [{r.module for r in log.records} for log in logs] == [{"0", "1", "2"}] * 2
 
 
 def test_switch_turns_it_off():
@@ -219,20 +226,3 @@ def test_hooks_generated_by_earlier_versions_record_the_same():
             if isinstance(value, float):
                 assert value == pytest.approx(other[name], rel=1e-6, abs=1e-9), (key, name)
 
-
-def test_compiled_first_while_recording_does_not_recompile_when_idle():
-    """Compiled while a log records (HookDict then has no __bool__ of its own), then run idle and
-    recording again: one graph, records each time."""
-    torch._dynamo.reset()
-    model = _model()
-    picklehooks.instrument(model)
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
-    x = torch.randn(3, 4)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        with picklehooks.record() as first:
-            compiled(x)
-        compiled(x)
-        with picklehooks.record() as again:
-            compiled(x)
-    assert [r.key for r in first.records] == [r.key for r in again.records]
-    assert {r.module for r in again.records} == {"0", "1", "2"}
