@@ -446,8 +446,7 @@ class _TapFunction(torch.autograd.Function):
         # gradients are the same tensor (f(a) + f(b)) must not look like one call to a
         # compiler's common-subexpression elimination in the backward graph.
         ctx.site = next(_SITES) % _SITE_MODULUS
-        with torch._C._AutoDispatchBelowAutograd():
-            return torch.ops.picklehooks.tap.default(x, module, kind, path, flags)
+        return _tap_below_autograd(x, module, kind, path, flags)
 
     @staticmethod
     def backward(ctx, grad):
@@ -460,14 +459,19 @@ class _TapFunction(torch.autograd.Function):
 _tap_function = super(torch.autograd.Function, _TapFunction).apply  # the C apply: no signature binding
 
 
+def _tap_below_autograd(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+    """``tap`` from the keys below Autograd: its kernel, or a tracer's fake or functional one."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.picklehooks.tap.default(x, module, kind, path, flags)
+
+
 def _tap_autograd(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
     """``tap`` at the Autograd key: through :class:`_TapFunction` where a gradient can flow."""
     if torch.is_grad_enabled() and x.requires_grad:
         if torch._C._are_functorch_transforms_active():
             return _TapFunction.apply(x, module, kind, path, flags)
         return _tap_function(x, module, kind, path, flags)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.picklehooks.tap.default(x, module, kind, path, flags)
+    return _tap_below_autograd(x, module, kind, path, flags)
 
 
 # tap and tap_grad: ``Library`` ops with Python kernels, rather than torch.library.custom_op,
@@ -476,23 +480,20 @@ def _tap_autograd(x: torch.Tensor, module: str, kind: str, path: str, flags: int
 # copy included. The schemas are the ones custom_op inferred, which saved scripted models and
 # exported programs name.
 _TAP_OPS = {
-    "tap": "tap(Tensor x, str module, str kind, str path, SymInt flags) -> Tensor",
-    "tap_grad": "tap_grad(Tensor g, str module, str kind, str path, SymInt flags) -> Tensor",
+    "tap": ("tap(Tensor x, str module, str kind, str path, SymInt flags) -> Tensor", _tap_kernel),
+    "tap_grad": ("tap_grad(Tensor g, str module, str kind, str path, SymInt flags) -> Tensor", _tap_grad_kernel),
 }
 
 
-def _define_tap_ops(lib) -> None:
-    for name, schema in _TAP_OPS.items():
-        lib.define(schema)
-        lib.impl(name, _tap_kernel if name == "tap" else _tap_grad_kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{_NAMESPACE}::{name}", _fake_like, lib=lib)
-    lib.impl("tap", _tap_autograd, "Autograd")
-
-
-def _define_effect_ops() -> None:
+def _define_library_ops() -> None:
+    """Register the ops defined through one kept ``Library``: ``tap``/``tap_grad``, the effect ops, ``active``."""
     global _LIBRARY
     lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
-    _define_tap_ops(lib)
+    for name, (schema, kernel) in _TAP_OPS.items():
+        lib.define(schema)
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", _fake_like, lib=lib)
+    lib.impl("tap", _tap_autograd, "Autograd")
     for name, (schema, kernel) in _EFFECT_OPS.items():
         lib.define(schema, alias_analysis="CONSERVATIVE")
         lib.impl(name, kernel, "CompositeExplicitAutograd")
@@ -535,4 +536,4 @@ if __name__ != "picklehooks._ops":
                         _host.zero_grads, _host.unzero_grads, _host.range_enter, _host.range_exit)
 if not _defined():
     _define_ops()
-    _define_effect_ops()
+    _define_library_ops()
