@@ -57,6 +57,8 @@ _is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_
 _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
 _active_log = _state._ACTIVE.get  # the log recording in this context (the host's, inside an archive)
 _PLAIN = _ops._PLAIN  # tensor types recorded as they are (not a DTensor's shard)
+# Flag bits as globals: the eager path, once per recorded value, reads them without an attribute lookup.
+_VALUE, _GRAD, _GUARD = _ops.VALUE, _ops.GRAD, _ops.GUARD
 
 
 def _tracing() -> bool:
@@ -174,24 +176,24 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     itself: the same gradient, without an autograd node of our own (about
     10 µs less per output, forward and backward).
     """
-    if flags & _ops.GUARD:
+    if flags & _GUARD:
         _ops.check_finite(x, name, kind, path)
     log = _active_log()  # _state.active(), without the call
     if _graph_task_id() != -1:  # _recomputing(), inlined: checkpoint's recomputation hooks gradients only
         # On a device's autograd thread the log is found as gradient hooks find it.
-        if not flags & _ops.GUARD and (not flags & _ops.GRAD or _state.active(from_autograd=True) is None):
+        if not flags & _GUARD and (not flags & _GRAD or _state.active(from_autograd=True) is None):
             return x
         log = None
-    elif log is None and not flags & _ops.GUARD:
+    elif log is None and not flags & _GUARD:
         return x
-    if log is not None and flags & _ops.VALUE:
+    if log is not None and flags & _VALUE:
         if type(x) in _PLAIN:
             log._add_tensor(name, kind, path, x, flags)
         else:
             _ops.record_tensor(log, name, kind, path, x, flags)  # a DTensor (tensor parallelism): its shard
-    elif log is not None and flags & _ops.GRAD:
+    elif log is not None and flags & _GRAD:
         log._note_call(name, kind, path, x)
-    if flags & (_ops.GRAD | _ops.GUARD) and x.requires_grad:
+    if flags & (_GRAD | _GUARD) and x.requires_grad:
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
             x = x.view_as(x)
@@ -383,12 +385,23 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     """
     if _is_compiling() or _FX_SYMBOLIC() or _is_jit_tracing():  # _tracing(); first, as in skip()
         return tap_tree(output, _name_of(module), "output", "", flags, inputs)
-    if not (_RECORDING or flags & _ops.GUARD):  # skip(), the rest of it
+    if not (_RECORDING or flags & _GUARD):  # skip(), the rest of it
         return None
-    if type(output) is torch.Tensor:  # the common case, one call shorter
-        direct = flags & _ops.GRAD and output.requires_grad and _keeps_no_output(module)
-        return _eager_tap(output, _name_of(module), "output", "", flags, inputs, direct)
-    return tap_tree(output, _name_of(module), "output", "", flags, inputs)
+    if type(output) is not torch.Tensor:
+        return tap_tree(output, _name_of(module), "output", "", flags, inputs)
+    # The common case, with as few calls as it takes: this runs once per module call while recording.
+    try:
+        name = module._picklehooks_name
+    except AttributeError:
+        name = _name_of(module)  # raises, saying why
+    if flags & _GRAD and output.requires_grad:
+        return _eager_tap(output, name, "output", "", flags, inputs, _keeps_no_output(module))
+    if flags & (_VALUE | _GUARD) == _VALUE:  # nothing to check or hook: record the value, if a log records here
+        log = _active_log()
+        if log is not None and _graph_task_id() == -1:  # not a checkpoint's recomputation (see _eager_tap)
+            log._add_tensor(name, "output", "", output, flags)
+            return None
+    return _eager_tap(output, name, "output", "", flags, inputs)
 
 
 # -- gradient surgery (picklehooks.diagnostics.surgery), outside TorchScript ----------------------

@@ -193,6 +193,7 @@ _FORWARD_OF = {"grad_output": "output", "grad_input": "input"}
 _SURE, _MAYBE = 2, 1
 _MAX_OPEN = 256  # invocations of one module open at once (recursion depth) that a log tracks
 _MAYBE_KEPT = 4096
+_MAYBE_TRIM = 2 * _MAYBE_KEPT
 
 
 def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
@@ -213,24 +214,29 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
 
 
 _PAIRED = frozenset(_FORWARD_OF.values())
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # dtype_name(), by dtype: records are built by the thousand
 
 
-def _read_pending(src: tuple) -> list[float]:
-    """The statistics of a batched record, ``(pending, group, row)``; the first read of a log's
-    brings all of its pending statistics to the host (one transfer per device)."""
+class _PendingRow(tuple):
+    """``(pending, group, row)``: where a batched record's statistics will be (see :class:`_Pending`).
+
+    A type of its own, so that a record's source tells it from the plain tuple
+    of values a hook computed, which is what nearly every record holds.
+    """
+
+    __slots__ = ()
+
+
+def _read_pending(src: _PendingRow) -> list[float]:
+    """The statistics of a batched record; the first read of a log's brings all of
+    its pending statistics to the host (one transfer per device)."""
     pending, group, row = src
     if group.rows is None:
         pending.read()
     return group.rows[row]
 
 
-class _Values(tuple):
-    """The :data:`STAT_NAMES` values of a record, as the hook computed them (made a dict when read)."""
-
-    __slots__ = ()
-
-
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)  # slots: built per record when read
 class Record:
     """One recorded value.
 
@@ -253,7 +259,7 @@ class Record:
     live: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # record(keep_graph=True)
     rank: int | None = None
     _stats: dict | None = dataclasses.field(default=None, repr=False)
-    # Until read: (pending, group, row) of a batched statistic, or the _Values computed in the hook.
+    # Until read: the values computed in the hook, or a batched statistic's _PendingRow.
     _src: tuple | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -263,7 +269,7 @@ class Record:
         The first read brings every pending statistic of the log to the host at once.
         """
         if self._stats is None and self._src is not None:
-            values = self._src if type(self._src) is _Values else _read_pending(self._src)
+            values = _read_pending(self._src) if type(self._src) is _PendingRow else self._src
             self._stats, self._src = _stats_dict(self.shape, self.dtype, values), None
         return self._stats
 
@@ -365,10 +371,14 @@ class Log:
         else:
             calls[key] = count + 1
         if expect:
-            waiting = (self._awaiting_grad if expect == _SURE else self._maybe_grad).setdefault(key, [])
-            waiting.append(call)
-            if len(waiting) > 2 * _MAYBE_KEPT and expect == _MAYBE:  # inference loops: no gradient ever comes
-                del waiting[:-_MAYBE_KEPT]
+            table = self._awaiting_grad if expect == _SURE else self._maybe_grad
+            waiting = table.get(key)
+            if waiting is None:
+                table[key] = [call]
+            else:
+                waiting.append(call)
+                if len(waiting) > _MAYBE_TRIM and expect == _MAYBE:  # inference loops: no gradient ever comes
+                    del waiting[:-_MAYBE_KEPT]
         return call
 
     def _invocation(self, module: str, kind: str, path: str, call: int) -> int:
@@ -423,17 +433,21 @@ class Log:
         device (:class:`_Pending`), with no host sync either way.
         """
         call = self._next_call(module, kind, path, _expects_grad(kind, x, flags) if kind in _PAIRED else 0)
+        stats = native_stats(x) if flags & STATS else None
+        if stats is not None and not flags & TENSOR and not self.keep_graph:
+            # Most records: statistics computed in one pass here, nothing else kept.
+            self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, None, None, None))
+            return
         live = x if self.keep_graph else None
-        stats = src = tensor = None
+        src = tensor = None
         if flags & STATS:
-            stats = native_stats(x)
             if stats is None and not x.numel():
                 stats = EMPTY
             elif stats is None:
                 x = x.detach()
                 pending = self._pending  # once: flush() replaces it
                 group, row = pending.add(x)
-                src = (pending, group, group.used - 1)
+                src = _PendingRow((pending, group, group.used - 1))
                 if flags & TENSOR:
                     tensor = row  # the batch's copy
         if flags & TENSOR and tensor is None:
@@ -461,7 +475,7 @@ class Log:
             values, src = tuple(stats.tolist()), None  # nine floats; no device to wait for
         else:
             pending = self._pending
-            values, src = None, (pending, pending.add_table(stats.clone()), 0)  # no sync
+            values, src = None, _PendingRow((pending, pending.add_table(stats.clone()), 0))  # no sync
         self._rows.append((module, kind, path, call, self.step, shape, dtype, values, src, None, None))
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
@@ -475,11 +489,15 @@ class Log:
         if n:
             rank = self.rank
             append = records.append
+            names = _DTYPE_NAMES
             for module, kind, path, call, step, shape, dtype, stats, src, tensor, live in rows[:n]:
+                name = names.get(dtype)
+                if name is None:
+                    name = names[dtype] = dtype_name(dtype)
                 # Positional: Record's field order (module ... step, shape, dtype, tensor, value,
                 # live, rank, _stats, _src); binding keywords costs more than the rest of the loop.
-                append(Record(module, kind, path, call, step, tuple(shape), dtype_name(dtype), tensor, None, live,
-                              rank, None, src if stats is None else _Values(stats)))
+                append(Record(module, kind, path, call, step, tuple(shape), name, tensor, None, live,
+                              rank, None, src if stats is None else stats))
             del rows[:n]
         return records
 

@@ -211,6 +211,36 @@ class TestStats:
         finally:
             gc.enable()
 
+    def test_records_pickle_copy_and_weakref(self, stats_path):
+        """Records travel through pickle (``distributed.gather`` sends them so), copy and
+        ``dataclasses.replace`` with their statistics, read or not yet read, and take weak references."""
+        import dataclasses
+        import pickle
+
+        model, plain = mlp(), mlp()
+        picklehooks.instrument(model, capture="output")
+        with picklehooks.record() as log:
+            model(inputs())
+        records = log.records
+        outputs = []
+        plain[0].register_forward_hook(lambda m, i, o: outputs.append(o.detach()))
+        plain(inputs())
+        unread = [pickle.loads(pickle.dumps(r)) for r in records]  # statistics not read yet
+        for rec in records[1:]:
+            rec.stats  # noqa: B018 -- read before copying
+        copies = [pickle.loads(pickle.dumps(records[1])), copy.copy(records[2]),
+                  dataclasses.replace(records[2], step=7)]
+        for rec in [*unread, *copies]:
+            original = records[[r.module for r in records].index(rec.module)]
+            assert rec.key == original.key and rec.shape == original.shape and rec.dtype == original.dtype
+            assert rec.stats == original.stats
+        assert copies[2].step == 7 and records[2].step == 0
+        want = expected_stats(outputs[0])
+        for name in STAT_NAMES:
+            assert unread[0].stats[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+        ref = weakref.ref(records[0])
+        assert ref() is records[0]
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     def test_std_with_large_mean_and_huge_values(self, dtype):
         """Rows whose one-pass std is inaccurate (|mean| >> std) or overflowed get the exact std."""
