@@ -77,6 +77,12 @@ initial model:
    and a full backward hook (``register_full_backward_hook``) doing the same
    for the gradient of the output.
 
+Below each ``mlp`` and ``transformer`` table, a line gives every variant's
+thread time above the baseline divided by the number of records one call
+makes (``instrument()``'s defaults): what one recorded value costs in that
+workload, in microseconds (a forward+backward's records are its outputs and
+their gradients).
+
 Variants of ``hf``: 1, 2 and 3 above. Variants of ``script``: the scripted
 plain model (baseline), the scripted instrumented model not recording, the
 same under ``record()`` with its statistics read (no target), and the eager
@@ -509,6 +515,27 @@ def coverage(name: str, task: Task, extra: dict) -> None:
         print(f"Chosen but never recorded (their forward() is not called): {', '.join(silent)}")
 
 
+def records_per_call(task: Task, backward: bool, model: nn.Module) -> int:
+    """How many records one call of the workload makes (instrument()'s defaults)."""
+    with picklehooks.record() as log:
+        if backward:
+            task.loss(task.forward(model)).backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                task.forward(model)
+    return len(log.records)
+
+
+def per_record(times: Times, base: str, records: int) -> None:
+    """Each variant's thread time above the baseline, per recorded value (as recording makes them;
+    the floors' hooks see the same values): what one record costs inside this workload."""
+    base_t = statistics.median(times[base]["thread"])
+    cells = [f"{name}: {(statistics.median(clocks['thread']) - base_t) / records * 1e6:.1f}"
+             for name, clocks in times.items() if name != base]
+    print(f"\nThread time above the un-instrumented call per record ({records} per call), µs: " + "; ".join(cells) + ".")
+
+
 def eager_section(label: str, short: str, make, setup: Setup) -> dict[str, list[float]] | None:
     """The MLP or transformer, forward and forward+backward; returns the forward baseline's times."""
     model, x = make()
@@ -521,6 +548,7 @@ def eager_section(label: str, short: str, make, setup: Setup) -> dict[str, list[
         times = measure(variants, setup)
         table(phase, times, BASE, setup, TARGETS["eager"],
               summary=f"{short} {'fwd+bwd' if backward else 'fwd'}")
+        per_record(times, BASE, records_per_call(task, backward, extra["model"]))
         if backward:
             coverage(label, task, extra)
         else:

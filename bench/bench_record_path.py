@@ -1,0 +1,126 @@
+"""Microbenchmark of one recorded value on the eager path: where a record's microseconds go.
+
+Run from the repository root (a few seconds)::
+
+    .venv/bin/python bench/bench_record_path.py
+    .venv/bin/python bench/bench_record_path.py --rounds 2 --calls 50   # a quick check that it runs
+
+``bench_logging.py`` measures whole models, whose ratios move by about ±0.07×
+between runs on a shared machine; this one times the pieces of one record in
+a tight loop (everything in cache, so each piece costs less than inside a
+model), which is what a change to the hook path moves. It reaches into
+picklehooks' internals on purpose, and is a developer's tool: the figures are
+not targets.
+
+The value: one GELU output of 32 × 256 float32 (8192 elements, as in the
+bench's MLP), recorded under ``torch.no_grad()`` with ``instrument()``'s
+defaults (statistics of the output; no gradient hook, since nothing requires
+grad). Rows, per call, median of interleaved rounds of the benchmarking
+thread's CPU time (``time.thread_time``), garbage collector off:
+
+* the native pass alone (``picklehooks._native.stats``);
+* the runtime's call, as a generated forward hook makes it
+  (``picklehooks._hookrt.forward``: the idle and tracing checks, call
+  numbering, the native pass, the row);
+* the leanest Python that still does those things for this one case,
+  inlined into one function (a reference, not used by picklehooks; where the
+  native kernel isn't built it falls back to the runtime's call);
+* building one ``Record`` from a row when ``log.records`` is read;
+* a module call without hooks, with a no-op forward hook, and instrumented
+  while a log records: what ``nn.Module``'s hook dispatch adds.
+
+It needs the native kernel (built, and ``PICKLEHOOKS_NATIVE`` not ``0``):
+without it a record is a copy into a batch reduced later, which this loop,
+never reading, would time by its batch reductions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import picklehooks
+from picklehooks import _hookrt, _native
+from picklehooks import log as _log
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds (default 25)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per sample (default 2000)")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.calls < 1:
+        parser.error(f"--rounds {args.rounds} --calls {args.calls}: give 1 or more of each")
+    rounds, calls = args.rounds, args.calls
+    if not _native.AVAILABLE:
+        sys.exit("bench_record_path.py times the native path: build the extension "
+                 "(pip install -e .) and leave PICKLEHOOKS_NATIVE unset")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(32, 256)
+    output = nn.functional.gelu(x)
+    plain = nn.GELU()
+    hooked = nn.GELU()
+    hooked.register_forward_hook(lambda module, args, out: None)
+    holder = nn.Sequential(nn.GELU())
+    picklehooks.instrument(holder)
+    instrumented = holder[0]
+    forward = _hookrt.forward
+
+    def lean(module, out, flags, inputs=None):
+        """The runtime's work for this case, inlined (valid only here: plain CPU float tensor, no grad)."""
+        if _hookrt._is_compiling() or _hookrt._FX_SYMBOLIC() or _hookrt._is_jit_tracing():
+            return forward(module, out, flags, inputs)
+        log = _hookrt._active_log()
+        if log is None or out.requires_grad or _hookrt._graph_task_id() != -1:
+            return forward(module, out, flags, inputs)
+        name = module._picklehooks_name
+        call = log._next_call(name, "output", "", 0 if torch.is_grad_enabled() else _log._MAYBE)
+        dtype, shape = out.dtype, out.shape
+        stats = _native._kernel(out.data_ptr(), _native._CODES[dtype], shape, out.stride())
+        log._rows.append((name, "output", "", call, log.step, shape, dtype, stats, None, None, None))
+        return None
+
+    cases = {
+        "native pass alone": lambda: _native.stats(output),
+        "runtime call (_hookrt.forward)": lambda: forward(instrumented, output, 7, (x,)),
+        "leanest inlined Python (reference)": lambda: lean(instrumented, output, 7, (x,)),
+        "GELU call, no hooks": lambda: plain(x),
+        "GELU call, a no-op forward hook": lambda: hooked(x),
+        "GELU call, instrumented, recording": lambda: instrumented(x),
+    }
+    times: dict[str, list[float]] = {name: [] for name in [*cases, "building one Record when read"]}
+    gc.disable()
+    try:
+        with torch.no_grad(), picklehooks.record() as log:
+            for r in range(rounds):
+                names = list(cases)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    fn = cases[name]
+                    t0 = time.thread_time()
+                    for _ in range(calls):
+                        fn()
+                    times[name].append((time.thread_time() - t0) / calls * 1e6)
+                    log._records.clear()  # the rows stay, to be built below
+                    log._maybe_grad.clear()  # no_grad calls wait for a gradient that never comes
+                n = len(log._rows)
+                t0 = time.thread_time()
+                log.records  # noqa: B018 -- builds a Record from every row
+                times["building one Record when read"].append((time.thread_time() - t0) / max(n, 1) * 1e6)
+                log._records.clear()
+    finally:
+        gc.enable()
+    print(f"One recorded GELU output (32 x 256 float32, no_grad), {rounds} interleaved rounds of {calls} calls.\n")
+    print("| piece | µs per call (median thread time) |")
+    print("| :--- | ---: |")
+    for name, samples in times.items():
+        print(f"| {name} | {statistics.median(samples):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

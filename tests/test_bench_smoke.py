@@ -1,0 +1,38 @@
+"""The benchmarks the README quotes still run (in a few rounds; their figures are not checked here)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from picklehooks import _native
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_logging_bench_prints_its_tables():
+    """One round of the MLP section: both workloads' tables, each with its per-record line, and the summary."""
+    out = run("bench_logging.py", "--rounds", "1", "--only", "mlp", "--no-torchlens")
+    assert out.count("#### MLP") == 2 and "#### Summary" in out, out
+    lines = re.findall(r"per record \((\d+) per call\), µs: (.*)\.", out)
+    assert [n for n, _ in lines] == ["36", "72"], out  # 36 outputs; and as many gradients
+    for _, cells in lines:
+        assert "recording stats (+ reading them): " in cells and "nan" not in cells, cells
+
+
+@pytest.mark.skipif(not _native.AVAILABLE, reason="the microbenchmark times the native path")
+def test_record_path_microbench_prints_every_piece():
+    out = run("bench_record_path.py", "--rounds", "2", "--calls", "20")
+    rows = re.findall(r"^\| ([^|]+) \| (\d+\.\d\d) \|$", out, flags=re.M)
+    assert len(rows) == 7 and all(float(v) > 0 for _, v in rows), out
