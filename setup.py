@@ -1,8 +1,10 @@
-"""Build of the optional C extension ``picklehooks._fstats``; the metadata is in pyproject.toml.
+"""Build of the optional C extensions ``picklehooks._fstats`` and ``picklehooks._frow``; the
+metadata is in pyproject.toml.
 
-The extension is ``optional``: where it doesn't compile (no C compiler, no
+The extensions are ``optional``: where one doesn't compile (no C compiler, no
 Python headers), setuptools warns and installs the package without it, and
-:mod:`picklehooks._native` falls back to the PyTorch statistics.
+:mod:`picklehooks._native` falls back: to the PyTorch statistics without
+``_fstats``, to ``Log._add_tensor``'s Python path without ``_frow``.
 ``PICKLEHOOKS_CFLAGS`` adds compiler flags, e.g. ``-DPICKLEHOOKS_NO_CLONES``
 for one portable loop instead of GCC's per-CPU clones (see _fstats.c).
 """
@@ -25,6 +27,12 @@ setup(
             sources=["picklehooks/_fstats.c"],
             extra_compile_args=compile_args,
             optional=True,
-        )
+        ),
+        Extension(
+            "picklehooks._frow",
+            sources=["picklehooks/_frow.c"],
+            extra_compile_args=compile_args,
+            optional=True,
+        ),
     ]
 )

@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _logfile, _sink, _state
+from . import _logfile, _native, _sink, _state
 from ._native import stats as native_stats
 from ._logfile import dtype_name
 from ._jacobian import hutchinson
@@ -214,6 +214,9 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
 
 
 _PAIRED = frozenset(_FORWARD_OF.values())
+# Log._add_tensor's statistics-only case in one C call (see picklehooks._native.row_lane), or None.
+_add_stats_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS,
+                                  python_bits=TENSOR | GRAD_SURE | GRAD_NONE)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}  # dtype_name(), by dtype: records are built by the thousand
 
 
@@ -431,16 +434,17 @@ class Log:
         it: no copy. Otherwise (another device, another dtype, no extension)
         ``x`` is copied into a row of a batch that is reduced later, on its
         device (:class:`_Pending`), with no host sync either way.
+
+        Most records (statistics only, of a CPU tensor) take ``_add_stats_row``,
+        which does all of this in one C call; the rows are the same.
         """
-        call = self._next_call(module, kind, path, _expects_grad(kind, x, flags) if kind in _PAIRED else 0)
-        stats = native_stats(x) if flags & STATS else None
-        if stats is not None and not flags & TENSOR and not self.keep_graph:
-            # Most records: statistics computed in one pass here, nothing else kept.
-            self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, None, None, None))
+        if _add_stats_row is not None and _add_stats_row(self, module, kind, path, x, flags):
             return
+        call = self._next_call(module, kind, path, _expects_grad(kind, x, flags) if kind in _PAIRED else 0)
         live = x if self.keep_graph else None
-        src = tensor = None
+        stats = src = tensor = None
         if flags & STATS:
+            stats = native_stats(x)
             if stats is None and not x.numel():
                 stats = EMPTY
             elif stats is None:

@@ -34,12 +34,13 @@ def stats_path(request, monkeypatch):
     """Both ways a log computes statistics: the native one-pass kernel in the hook, and
     the PyTorch fallback (copies reduced in batches) that other devices and dtypes, a
     machine without the extension, and ``PICKLEHOOKS_NATIVE=0`` use."""
-    import picklehooks.log
     from picklehooks import _native
+
+    from tests.testutils import use_pytorch_stats
 
     if request.param == "native":
         if not _native.AVAILABLE:
             pytest.skip("the native statistics extension isn't built here")
     else:
-        monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
+        use_pytorch_stats(monkeypatch)
     return request.param

@@ -19,6 +19,8 @@ import picklehooks
 import picklehooks._native
 from picklehooks.log import STAT_NAMES
 
+from tests.testutils import use_pytorch_stats
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
@@ -94,7 +96,7 @@ def reduction(request, monkeypatch):
         if not picklehooks._native.AVAILABLE:
             pytest.skip("the native statistics extension isn't built here")
         return request.param
-    monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
+    use_pytorch_stats(monkeypatch)
     if request.param == "exact":
         monkeypatch.setattr(picklehooks.log, "PENDING_BYTES", 1)  # reduce after every record
     return request.param

@@ -65,3 +65,12 @@ def transformed(model, backend: str, inputs: tuple):
     if backend == "export":
         return torch.export.export(model, tuple(inputs)).module()
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def use_pytorch_stats(monkeypatch) -> None:
+    """Make logs take the PyTorch fallback (copies reduced in batches), as on a machine without
+    the native extensions or with ``PICKLEHOOKS_NATIVE=0``: no native pass, no C record lane."""
+    import picklehooks.log
+
+    monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
+    monkeypatch.setattr(picklehooks.log, "_add_stats_row", None)

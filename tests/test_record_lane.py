@@ -1,0 +1,172 @@
+"""The C record lane (picklehooks._frow.add_stats_row) writes what Log._add_tensor's Python path writes.
+
+Every case is recorded twice, into two fresh logs: once through
+``Log._add_tensor`` with the lane, once with the lane switched off (the
+Python path, with the same native statistics). The rows, call numbers and
+gradient bookkeeping must be the same; handled values' statistics must match
+float64 PyTorch; values the lane declines must leave the log untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import picklehooks.log as log_module
+from picklehooks import _ops
+from picklehooks.log import Log
+
+pytestmark = pytest.mark.skipif(log_module._add_stats_row is None,
+                                reason="picklehooks._frow is not built here, or PICKLEHOOKS_NATIVE=0")
+
+STATS = _ops.VALUE | _ops.STATS
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+def handled_values() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    return {
+        "contiguous": base,
+        "transposed": base.t(),
+        "sliced": base[::2, 1:5],
+        "expanded": torch.randn(1, 8, generator=g).expand(5, 8),
+        "float64": base.double(),
+        "float16": base.half(),
+        "bfloat16": base.bfloat16(),
+        "scalar": torch.tensor(3.5),
+        "parameter": torch.nn.Parameter(base.clone()),
+        "requires grad": base.clone().requires_grad_(),
+        "with nan and inf": torch.tensor([1.0, float("nan"), float("inf"), 0.0]),
+    }
+
+
+def declined_values() -> dict[str, torch.Tensor]:
+    z = torch.randn(4, dtype=torch.complex64)
+    return {
+        "empty": torch.empty(0, 3),
+        "integer": torch.arange(6),
+        "negative-bit view": z.conj().imag,
+        "subclass": torch.randn(3).as_subclass(Sub),
+        "meta": torch.empty(3, device="meta"),
+        "sparse": torch.randn(3, 3).to_sparse(),
+    }
+
+
+def rows_of(log: Log) -> list[tuple]:
+    return [(m, k, p, c, s, tuple(shape), dtype, stats, src, tensor, live)
+            for m, k, p, c, s, shape, dtype, stats, src, tensor, live in log._rows]
+
+
+def same_stats(a, b) -> bool:
+    return a is b or (a is not None and b is not None and len(a) == len(b)
+                      and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b)))
+
+
+def record_twice(monkeypatch, x: torch.Tensor, kind: str, flags: int, *, grad: bool = True, keep_graph: bool = False,
+                 repeat: int = 2) -> tuple[Log, Log, bool]:
+    """Record ``x`` ``repeat`` times into a log through the lane and into another without it."""
+    with_lane, without = Log(keep_graph=keep_graph), Log(keep_graph=keep_graph)
+    handled = None
+    with torch.set_grad_enabled(grad):
+        for _ in range(repeat):
+            rows, calls = len(with_lane._rows), dict(with_lane._calls)
+            took = log_module._add_stats_row(with_lane, "m", kind, "0", x, flags)
+            if not took:
+                assert len(with_lane._rows) == rows and with_lane._calls == calls, \
+                    "a declined value left a row or a call number behind"
+                with_lane._add_tensor("m", kind, "0", x, flags)
+            handled = took if handled is None else handled
+            with monkeypatch.context() as patch:
+                patch.setattr(log_module, "_add_stats_row", None)
+                without._add_tensor("m", kind, "0", x, flags)
+    return with_lane, without, handled
+
+
+def assert_same_logs(a: Log, b: Log) -> None:
+    ra, rb = rows_of(a), rows_of(b)
+    assert len(ra) == len(rb)
+    for x, y in zip(ra, rb):
+        assert x[:7] == y[:7] and same_stats(x[7], y[7]), (x, y)
+        assert (x[8] is None) == (y[8] is None) and (x[9] is None) == (y[9] is None) and x[10] is y[10]
+    assert a._calls == b._calls and a._awaiting_grad == b._awaiting_grad and a._maybe_grad == b._maybe_grad
+
+
+@pytest.mark.parametrize("kind", ["output", "input", "param", "grad_output"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad mode", "no_grad"])
+@pytest.mark.parametrize("name", list(handled_values()))
+def test_handled_values_give_the_python_paths_rows(monkeypatch, name, grad, kind):
+    x = handled_values()[name]
+    a, b, handled = record_twice(monkeypatch, x, kind, STATS, grad=grad)
+    assert handled
+    assert_same_logs(a, b)
+    assert [row[3] for row in a._rows] == [0, 1] or kind == "grad_output"
+    ref = x.detach().to(torch.float64)
+    stats = a._rows[0][7]
+    finite = ref[torch.isfinite(ref)]
+    if finite.numel() == ref.numel():
+        want = [ref.mean().item(), ref.std(correction=0).item(), ref.min().item(), ref.max().item()]
+        assert stats[:4] == pytest.approx(want, rel=1e-9, abs=1e-12)
+    else:
+        assert math.isnan(stats[0]) and stats[6] == torch.isnan(ref).sum().item()
+        assert stats[7] == torch.isinf(ref).sum().item()
+
+
+@pytest.mark.parametrize("name", list(declined_values()))
+def test_declined_values_go_to_the_python_path(monkeypatch, name):
+    x = declined_values()[name]
+    if name in ("meta", "sparse"):  # the lane declines; what the Python path does is not this file's subject
+        log = Log()
+        assert log_module._add_stats_row(log, "m", "output", "0", x, STATS) is False
+        assert not log._rows and not log._calls
+        return
+    a, b, handled = record_twice(monkeypatch, x, "output", STATS)
+    assert handled is False
+    assert_same_logs(a, b)
+    # What the Python path recorded reads back as PyTorch computes it.
+    rec = a.records[0]
+    if x.numel() and x.is_floating_point():
+        assert rec.stats["max"] == pytest.approx(x.detach().double().max().item())
+
+
+@pytest.mark.parametrize("flags, keep_graph", [
+    (STATS | _ops.TENSOR, False),  # mode="both": keeps a copy too
+    (STATS | _ops.GRAD_SURE, False),  # what tracing saw decides the pairing
+    (STATS | _ops.GRAD_NONE, False),
+    (_ops.VALUE | _ops.TENSOR, False),  # mode="tensor"
+    (STATS, True),  # record(keep_graph=True) keeps the live value
+])
+def test_other_records_go_to_the_python_path(monkeypatch, flags, keep_graph):
+    x = torch.randn(4, 5, requires_grad=True)
+    a, b, handled = record_twice(monkeypatch, x, "output", flags, keep_graph=keep_graph)
+    assert handled is False
+    assert_same_logs(a, b)
+
+
+def test_an_error_in_numbering_propagates():
+    """A failure past the checks is the caller's to see, not a silent 'not handled'."""
+    class Broken(Log):
+        def _next_call(self, *args):
+            raise KeyError("broken numbering")
+
+    with pytest.raises(KeyError, match="broken numbering"):
+        log_module._add_stats_row(Broken(), "m", "output", "0", torch.randn(3), STATS)
+
+
+def test_the_lane_is_off_with_the_extensions():
+    """PICKLEHOOKS_NATIVE=0 turns the lane off with the statistics (in a fresh process: it's read at import)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import picklehooks.log as l, picklehooks._native as n; print(l._add_stats_row, n.AVAILABLE)"
+    for value, want in (("0", "None False"), ("1", "<built-in function add_stats_row> True")):
+        env = {**os.environ, "PICKLEHOOKS_NATIVE": value}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == want
