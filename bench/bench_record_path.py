@@ -1,6 +1,6 @@
 """Microbenchmark of one recorded value on the eager path: where a record's microseconds go.
 
-Run from the repository root (a few seconds)::
+Run from the repository root (about a minute)::
 
     .venv/bin/python bench/bench_record_path.py
     .venv/bin/python bench/bench_record_path.py --rounds 2 --calls 50   # a quick check that it runs
@@ -28,6 +28,12 @@ thread's CPU time (``time.thread_time``), garbage collector off:
 * building one ``Record`` from a row when ``log.records`` is read;
 * a module call without hooks, with a no-op forward hook, and instrumented
   while a log records: what ``nn.Module``'s hook dispatch adds.
+
+Then, inside the bench's MLP (12 × Linear(256)+LayerNorm+GELU, batch 32,
+forward under ``no_grad`` and forward+backward, recording statistics and
+reading them), the C record lane (``picklehooks/_frow.c``) against the Python
+path it replaces (``Log._add_tensor`` with the lane switched off), interleaved
+in one process: thread time above the un-instrumented model per record.
 
 It needs the native kernel (built, and ``PICKLEHOOKS_NATIVE`` not ``0``):
 without it a record is a copy into a batch reduced later, which this loop,
@@ -120,6 +126,70 @@ def main() -> None:
     print("| :--- | ---: |")
     for name, samples in times.items():
         print(f"| {name} | {statistics.median(samples):.2f} |")
+    lane_in_a_model(rounds)
+
+
+def lane_in_a_model(rounds: int) -> None:
+    """The C lane against the Python path, per record, inside the MLP (see the module docstring)."""
+    import copy
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_logging import make_mlp
+
+    lane = _log._add_stats_row
+    if lane is None:
+        print("\n(no C record lane here: picklehooks._frow isn't built)")
+        return
+    model, x = make_mlp()
+    plain, instrumented = copy.deepcopy(model), copy.deepcopy(model)
+    picklehooks.instrument(instrumented)
+
+    def step(m: nn.Module, backward: bool) -> None:
+        if backward:
+            m(x).sum().backward()
+            m.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                m(x)
+
+    def recorded(with_lane: bool, backward: bool):
+        def run() -> None:
+            _log._add_stats_row = lane if with_lane else None
+            try:
+                with picklehooks.record() as log:
+                    step(instrumented, backward)
+                log.records[-1].stats  # noqa: B018 -- reading, as bench_logging.py does
+            finally:
+                _log._add_stats_row = lane
+        return run
+
+    print("\nInside the MLP: thread time above the un-instrumented model, µs per record (median of "
+          f"{rounds} interleaved rounds).\n")
+    print("| workload | Python path (lane off) | C record lane |")
+    print("| :--- | ---: | ---: |")
+    for backward in (False, True):
+        variants = {"plain": lambda b=backward: step(plain, b), "python": recorded(False, backward),
+                    "lane": recorded(True, backward)}
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        calls = 4 if backward else 15
+        gc.disable()
+        try:
+            for r in range(rounds):
+                names = list(variants)
+                for name in names[r % 3:] + names[:r % 3]:
+                    t0 = time.thread_time()
+                    for _ in range(calls):
+                        variants[name]()
+                    samples[name].append((time.thread_time() - t0) / calls * 1e6)
+                gc.collect()
+        finally:
+            gc.enable()
+        base = statistics.median(samples["plain"])
+        records = 72 if backward else 36
+        cells = [(statistics.median(samples[name]) - base) / records for name in ("python", "lane")]
+        print(f"| {'forward+backward' if backward else 'forward (no_grad)'} | {cells[0]:.2f} | {cells[1]:.2f} |")
 
 
 if __name__ == "__main__":
