@@ -217,6 +217,9 @@ _PAIRED = frozenset(_FORWARD_OF.values())
 # Log._add_tensor's statistics-only case in one C call (see picklehooks._native.row_lane), or None.
 _add_stats_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS,
                                   python_bits=TENSOR | GRAD_SURE | GRAD_NONE)
+# Layouts recorded as their dense values (Log._add_tensor); torch.strided and nested tensors are as they are.
+_DENSIFIED = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc,
+                        torch._mkldnn})
 _DTYPE_NAMES: dict[torch.dtype, str] = {}  # dtype_name(), by dtype: records are built by the thousand
 
 
@@ -442,6 +445,10 @@ class Log:
             return
         call = self._next_call(module, kind, path, _expects_grad(kind, x, flags) if kind in _PAIRED else 0)
         live = x if self.keep_graph else None
+        if x.layout in _DENSIFIED:
+            # Sparse (an nn.Embedding(sparse=True) gradient) and mkldnn values are recorded as the
+            # dense tensors they stand for: the statistics count the zeros they leave implicit.
+            x = x.to_dense()
         stats = src = tensor = None
         if flags & STATS:
             stats = native_stats(x)

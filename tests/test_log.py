@@ -241,6 +241,52 @@ class TestStats:
         ref = weakref.ref(records[0])
         assert ref() is records[0]
 
+    @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "mkldnn"])
+    def test_sparse_and_mkldnn_values_are_recorded_as_their_dense_values(self, stats_path, layout):
+        """A module returning a sparse or mkldnn tensor records the statistics of the dense value it
+        stands for (implicit zeros counted), and mode="tensor" keeps that dense value; the model's
+        own output is untouched. (Recording one used to raise inside the hook.)"""
+        convert = {"sparse_coo": torch.Tensor.to_sparse, "sparse_csr": torch.Tensor.to_sparse_csr,
+                   "mkldnn": torch.Tensor.to_mkldnn}[layout]
+
+        class Convert(nn.Module):
+            def forward(self, x):
+                return convert(x)
+
+        x = torch.relu(inputs(shape=(6, 7)))
+        for mode in ("stats", "tensor"):
+            model = nn.Sequential(Convert())
+            picklehooks.instrument(model, capture="output", mode=mode)
+            with picklehooks.record() as log:
+                out = model(x)
+            assert out.layout == convert(x).layout and torch.equal(out.to_dense(), x)
+            (rec,) = log.records
+            assert rec.shape == (6, 7) and rec.dtype == "float32"
+            if mode == "tensor":
+                assert rec.tensor.layout == torch.strided and torch.equal(rec.tensor, x)
+                continue
+            want = expected_stats(x)
+            for name in STAT_NAMES:
+                assert rec.stats[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
+
+    def test_sparse_embedding_gradients_are_recorded(self, stats_path):
+        """nn.Embedding(sparse=True) gives its weight a sparse gradient: param_grad records the dense
+        gradient's statistics, as plain PyTorch computes them on an un-instrumented copy."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 3, sparse=True))
+        plain = copy.deepcopy(model)
+        picklehooks.instrument(model, capture=("output", "param_grad"))
+        ids = torch.tensor([[1, 2, 2], [7, 1, 0]])
+        with picklehooks.record() as log:
+            model(ids).pow(2).sum().backward()
+        plain(ids).pow(2).sum().backward()
+        assert model[0].weight.grad.is_sparse  # the model's own gradient stays sparse
+        (rec,) = [r for r in log.records if r.kind == "param_grad"]
+        want = expected_stats(plain[0].weight.grad.to_dense())
+        assert rec.shape == (10, 3)
+        for name in STAT_NAMES:
+            assert rec.stats[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
     def test_std_with_large_mean_and_huge_values(self, dtype):
         """Rows whose one-pass std is inaccurate (|mean| >> std) or overflowed get the exact std."""
