@@ -46,14 +46,16 @@ offset); otherwise reading it is as unsafe as ``x.sum()``.
 statistics-only case of ``picklehooks.log.Log._add_tensor`` in one C call
 (the checks of :func:`stats`, the native pass, the call number, the row),
 which returns ``False``, having done nothing, for anything else. Inside a
-model it measured about 2 µs less per record than the same steps in Python.
+model it measured 1 to 3 µs less per record than the same steps in Python
+(``bench/bench_record_path.py``).
 
 ``PICKLEHOOKS_NATIVE=0`` in the environment, read once at import, turns the
 extensions off: :data:`AVAILABLE` is ``False``, :func:`stats` returns
-``None`` and :func:`row_lane` returns ``None``. Where the extension didn't compile (``pip`` builds it optionally),
-and in a copy of this module inside a ``torch.package`` archive (archives
-hold Python source only), it is off too, and importing this module still
-works.
+``None`` and :func:`row_lane` returns ``None``. Where an extension didn't
+compile (``pip`` builds them optionally), and in a copy of this module
+inside a ``torch.package`` archive (archives hold Python source only), it
+is off too (``_frow`` without ``_fstats`` counts as off), and importing
+this module still works.
 """
 
 from __future__ import annotations

@@ -448,7 +448,7 @@ class Log:
         if x.layout in _DENSIFIED:
             # Sparse (an nn.Embedding(sparse=True) gradient) and mkldnn values are recorded as the
             # dense tensors they stand for: the statistics count the zeros they leave implicit.
-            x = x.to_dense()
+            x = x.detach().to_dense()
         stats = src = tensor = None
         if flags & STATS:
             stats = native_stats(x)
