@@ -31,9 +31,10 @@ thread's CPU time (``time.thread_time``), garbage collector off:
 
 Then, inside the bench's MLP (12 × Linear(256)+LayerNorm+GELU, batch 32,
 forward under ``no_grad`` and forward+backward, recording statistics and
-reading them), the C record lane (``picklehooks/_frow.c``) against the Python
-path it replaces (``Log._add_tensor`` with the lane switched off), interleaved
-in one process: thread time above the un-instrumented model per record.
+reading them, and recording with ``mode="tensor"``), the C record lane
+(``picklehooks/_frow.c``) against the Python path it replaces
+(``Log._add_tensor`` with the lane switched off), interleaved in one
+process: thread time above the un-instrumented model per record.
 
 It needs the native kernel (built, and ``PICKLEHOOKS_NATIVE`` not ``0``):
 without it a record is a copy into a batch reduced later, which this loop,
@@ -138,13 +139,14 @@ def lane_in_a_model(rounds: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_logging import make_mlp
 
-    lane = _log._add_stats_row
+    lane = _log._add_row
     if lane is None:
         print("\n(no C record lane here: picklehooks._frow isn't built)")
         return
     model, x = make_mlp()
-    plain, instrumented = copy.deepcopy(model), copy.deepcopy(model)
-    picklehooks.instrument(instrumented)
+    plain, for_stats, for_tensors = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    picklehooks.instrument(for_stats)
+    picklehooks.instrument(for_tensors, mode="tensor")
 
     def step(m: nn.Module, backward: bool) -> None:
         if backward:
@@ -154,31 +156,35 @@ def lane_in_a_model(rounds: int) -> None:
             with torch.no_grad():
                 m(x)
 
-    def recorded(with_lane: bool, backward: bool):
+    def recorded(m: nn.Module, with_lane: bool, backward: bool):
         def run() -> None:
-            _log._add_stats_row = lane if with_lane else None
+            _log._add_row = lane if with_lane else None
             try:
                 with picklehooks.record() as log:
-                    step(instrumented, backward)
+                    step(m, backward)
                 log.records[-1].stats  # noqa: B018 -- reading, as bench_logging.py does
             finally:
-                _log._add_stats_row = lane
+                _log._add_row = lane
         return run
 
     print("\nInside the MLP: thread time above the un-instrumented model, µs per record (median of "
           f"{rounds} interleaved rounds).\n")
-    print("| workload | Python path (lane off) | C record lane |")
-    print("| :--- | ---: | ---: |")
+    print("| workload | stats, Python path (lane off) | stats, C record lane "
+          "| mode=\"tensor\", Python path | mode=\"tensor\", C record lane |")
+    print("| :--- | ---: | ---: | ---: | ---: |")
     for backward in (False, True):
-        variants = {"plain": lambda b=backward: step(plain, b), "python": recorded(False, backward),
-                    "lane": recorded(True, backward)}
+        variants = {"plain": lambda b=backward: step(plain, b),
+                    "stats python": recorded(for_stats, False, backward),
+                    "stats lane": recorded(for_stats, True, backward),
+                    "tensor python": recorded(for_tensors, False, backward),
+                    "tensor lane": recorded(for_tensors, True, backward)}
         samples: dict[str, list[float]] = {name: [] for name in variants}
         calls = 4 if backward else 15
         gc.disable()
         try:
             for r in range(rounds):
                 names = list(variants)
-                for name in names[r % 3:] + names[:r % 3]:
+                for name in names[r % len(names):] + names[:r % len(names)]:
                     t0 = time.thread_time()
                     for _ in range(calls):
                         variants[name]()
@@ -188,8 +194,9 @@ def lane_in_a_model(rounds: int) -> None:
             gc.enable()
         base = statistics.median(samples["plain"])
         records = 72 if backward else 36
-        cells = [(statistics.median(samples[name]) - base) / records for name in ("python", "lane")]
-        print(f"| {'forward+backward' if backward else 'forward (no_grad)'} | {cells[0]:.2f} | {cells[1]:.2f} |")
+        cells = " | ".join(f"{(statistics.median(samples[name]) - base) / records:.2f}"
+                           for name in ("stats python", "stats lane", "tensor python", "tensor lane"))
+        print(f"| {'forward+backward' if backward else 'forward (no_grad)'} | {cells} |")
 
 
 if __name__ == "__main__":

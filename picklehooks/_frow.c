@@ -1,24 +1,28 @@
 /* picklehooks._frow: the eager record lane. One call does what
- * picklehooks.log.Log._add_tensor does for most records: a plain CPU tensor's
- * statistics, computed now in one native pass (picklehooks._fstats), and the
- * log's row for them.
+ * picklehooks.log.Log._add_tensor does for most records: either a plain CPU
+ * tensor's statistics, computed now in one native pass (picklehooks._fstats),
+ * or a copy of a plain strided tensor (mode="tensor"); and the log's row.
  *
- *   add_stats_row(log, module, kind, path, x, flags) -> True, or False when
- *                                                       not handled here
+ *   add_row(log, module, kind, path, x, flags) -> True, or False when not
+ *                                                handled here
  *
- * False means nothing was done (no call numbered, no row), and the caller
- * goes on to Log._add_tensor's Python path: flags other than a statistics-only
- * record (a copy kept, tracing's gradient flags), a log keeping live values,
- * a tensor that isn't exactly torch.Tensor or nn.Parameter, another dtype or
- * device, a negative-bit view, storage data_ptr() can't give, an empty
- * tensor, and whatever else _fstats.stats declines; also before configure()
- * was called. These are the checks of picklehooks._native.stats, in the same
- * order, with the same soft errors turned into "not handled".
+ * False means nothing was done (no call numbered, no copy counted, no row),
+ * and the caller goes on to Log._add_tensor's Python path: statistics and a
+ * copy both (mode="both"), tracing's gradient flags, a log keeping live
+ * values, a tensor that isn't exactly torch.Tensor or nn.Parameter, a tensor
+ * without a shape (nested); for statistics, another dtype or device, a
+ * negative-bit view, storage data_ptr() can't give, an empty tensor, and
+ * whatever else _fstats.stats declines (the checks of
+ * picklehooks._native.stats, in its order, with the same soft errors turned
+ * into "not handled"); for a copy, a layout other than strided (sparse and
+ * mkldnn values are densified there); also before configure() was called.
  *
- * When handled, the order is: statistics first (no side effects), then the
- * call number from log._next_call(module, kind, path, expect), then the row
- *   (module, kind, path, call, log.step, x.shape, x.dtype, stats,
- *    None, None, None)
+ * When handled, the order is: the statistics or the copy (detached if x
+ * requires grad; clone() if contiguous, else contiguous()), then the call
+ * number from log._next_call(module, kind, path, expect), then, for a copy,
+ * log._tensor_bytes += x.numel() * x.element_size(), then the row
+ *   (module, kind, path, call, log.step, x.shape, x.dtype, stats or None,
+ *    None, copy or None, None)
  * appended to log._rows: exactly the tuple Log._add_tensor appends.
  * expect is picklehooks.log._expects_grad for an eager value: for a kind in
  * the paired set, SURE if x requires grad, else 0 with grad mode on and MAYBE
@@ -41,10 +45,13 @@ static PyObject *SOFT_ERRORS;   /* exception types meaning "not handled" */
 static PyObject *GRAD_ENABLED;  /* torch.is_grad_enabled */
 static PyObject *PAIRED;        /* kinds whose forward values await a gradient */
 static PyObject *SURE, *MAYBE, *NONE_EXPECTED;
-static long STATS_BIT, PYTHON_BITS; /* the bit that asks for statistics; bits that need Python */
+static PyObject *STRIDED;       /* torch.strided */
+/* The bits that ask for statistics and for a copy; bits that need Python. */
+static long STATS_BIT, TENSOR_BIT, PYTHON_BITS;
 
 static PyObject *S_keep_graph, *S_dtype, *S_is_cpu, *S_is_neg, *S_data_ptr, *S_shape, *S_stride, *S_next_call,
-    *S_rows, *S_step, *S_requires_grad;
+    *S_rows, *S_step, *S_requires_grad, *S_layout, *S_detach, *S_is_contiguous, *S_clone, *S_contiguous, *S_numel,
+    *S_element_size, *S_tensor_bytes;
 
 static int intern_names(void) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return -1
@@ -59,6 +66,14 @@ static int intern_names(void) {
     INTERN(S_rows, "_rows");
     INTERN(S_step, "step");
     INTERN(S_requires_grad, "requires_grad");
+    INTERN(S_layout, "layout");
+    INTERN(S_detach, "detach");
+    INTERN(S_is_contiguous, "is_contiguous");
+    INTERN(S_clone, "clone");
+    INTERN(S_contiguous, "contiguous");
+    INTERN(S_numel, "numel");
+    INTERN(S_element_size, "element_size");
+    INTERN(S_tensor_bytes, "_tensor_bytes");
 #undef INTERN
     return 0;
 }
@@ -70,13 +85,14 @@ static void set_ref(PyObject **slot, PyObject *value) {
 
 static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *names[] = {"types", "codes", "kernel", "soft_errors", "grad_enabled", "paired", "sure", "maybe",
-                            "none", "stats_bit", "python_bits", NULL};
-    PyObject *types, *codes, *kernel, *soft, *grad_enabled, *paired, *sure, *maybe, *none;
-    long stats_bit, python_bits;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOO!OOOll:configure", names, &PyTuple_Type, &types,
-                                     &PyDict_Type, &codes, &kernel, &soft, &grad_enabled, &PyFrozenSet_Type,
-                                     &paired, &sure, &maybe, &none, &stats_bit, &python_bits))
+    static char *names[] = {"types", "codes", "kernel", "soft_errors", "grad_enabled", "strided", "paired", "sure",
+                            "maybe", "none", "stats_bit", "tensor_bit", "python_bits", NULL};
+    PyObject *types, *codes, *kernel, *soft, *grad_enabled, *strided, *paired, *sure, *maybe, *none;
+    long stats_bit, tensor_bit, python_bits;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOlll:configure", names, &PyTuple_Type, &types,
+                                     &PyDict_Type, &codes, &kernel, &soft, &grad_enabled, &strided,
+                                     &PyFrozenSet_Type, &paired, &sure, &maybe, &none, &stats_bit, &tensor_bit,
+                                     &python_bits))
         return NULL;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
         if (!PyType_Check(PyTuple_GET_ITEM(types, i))) {
@@ -84,8 +100,9 @@ static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs
             return NULL;
         }
     }
-    if (!PyCallable_Check(kernel) || !PyCallable_Check(grad_enabled) || stats_bit <= 0) {
-        PyErr_SetString(PyExc_TypeError, "configure: kernel and grad_enabled must be callable, stats_bit positive");
+    if (!PyCallable_Check(kernel) || !PyCallable_Check(grad_enabled) || stats_bit <= 0 || tensor_bit <= 0) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure: kernel and grad_enabled must be callable, stats_bit and tensor_bit positive");
         return NULL;
     }
     set_ref(&TYPES, types);
@@ -97,7 +114,9 @@ static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs
     set_ref(&SURE, sure);
     set_ref(&MAYBE, maybe);
     set_ref(&NONE_EXPECTED, none);
+    set_ref(&STRIDED, strided);
     STATS_BIT = stats_bit;
+    TENSOR_BIT = tensor_bit;
     PYTHON_BITS = python_bits;
     Py_RETURN_NONE;
 }
@@ -115,107 +134,147 @@ static PyObject *soft(PyObject *result) {
     return result;
 }
 
-static PyObject *frow_add_stats_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The statistics of x, from the checks of picklehooks._native.stats (in its order) and the native
+ * pass: a new reference; NULL without an error set when not handled here; NULL with one on failure. */
+static PyObject *stats_of(PyObject *x, PyObject *dtype, PyObject *shape) {
+    PyObject *code = PyDict_GetItemWithError(CODES, dtype); /* borrowed */
+    if (!code) return NULL;
+    PyObject *flag = PyObject_GetAttr(x, S_is_cpu);
+    if (!flag) return NULL;
+    int cpu = flag == Py_True;
+    Py_DECREF(flag);
+    if (!cpu) return NULL;
+    if (!(flag = PyObject_CallMethodNoArgs(x, S_is_neg))) return NULL;
+    int neg = flag != Py_False;
+    Py_DECREF(flag);
+    if (neg) return NULL;
+    PyObject *ptr = soft(PyObject_CallMethodNoArgs(x, S_data_ptr));
+    if (!ptr) return NULL;
+    PyObject *stride = soft(PyObject_CallMethodNoArgs(x, S_stride));
+    if (!stride) {
+        Py_DECREF(ptr);
+        return NULL;
+    }
+    PyObject *kernel_args[4] = {ptr, code, shape, stride};
+    PyObject *stats = soft(PyObject_Vectorcall(KERNEL, kernel_args, 4, NULL));
+    Py_DECREF(ptr);
+    Py_DECREF(stride);
+    if (stats == Py_None) { /* empty, or data the kernel leaves to PyTorch */
+        Py_DECREF(stats);
+        return NULL;
+    }
+    return stats;
+}
+
+/* A copy of x as Log._add_tensor keeps it (detached, contiguous): a new reference; NULL without an
+ * error set when not handled here (not strided). */
+static PyObject *copy_of(PyObject *x, int requires_grad) {
+    PyObject *layout = PyObject_GetAttr(x, S_layout);
+    if (!layout) return NULL;
+    int strided = layout == STRIDED;
+    Py_DECREF(layout);
+    if (!strided) return NULL; /* sparse and mkldnn values are densified by the Python path */
+    PyObject *value = requires_grad ? PyObject_CallMethodNoArgs(x, S_detach) : Py_NewRef(x);
+    if (!value) return NULL;
+    PyObject *contiguous = PyObject_CallMethodNoArgs(value, S_is_contiguous);
+    PyObject *copy = NULL;
+    if (contiguous) copy = PyObject_CallMethodNoArgs(value, contiguous == Py_True ? S_clone : S_contiguous);
+    Py_XDECREF(contiguous);
+    Py_DECREF(value);
+    return copy;
+}
+
+static PyObject *frow_add_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "add_stats_row(log, module, kind, path, x, flags) takes 6 arguments");
+        PyErr_SetString(PyExc_TypeError, "add_row(log, module, kind, path, x, flags) takes 6 arguments");
         return NULL;
     }
     PyObject *log = args[0], *module = args[1], *kind = args[2], *path = args[3], *x = args[4];
     long flags = PyLong_AsLong(args[5]);
     if (flags == -1 && PyErr_Occurred()) return NULL;
-    if (!TYPES || !(flags & STATS_BIT) || (flags & PYTHON_BITS) || !handled_type(x)) Py_RETURN_FALSE;
+    int want_stats = (flags & STATS_BIT) != 0, want_copy = (flags & TENSOR_BIT) != 0;
+    /* Exactly one of statistics and a copy; both (mode="both") take the Python path. */
+    if (!TYPES || want_stats == want_copy || (flags & PYTHON_BITS) || !handled_type(x)) Py_RETURN_FALSE;
 
-    PyObject *dtype = NULL, *flag = NULL, *ptr = NULL, *shape = NULL, *stride = NULL, *stats = NULL, *call = NULL,
-             *step = NULL, *rows = NULL, *row = NULL, *result = NULL;
-    flag = PyObject_GetAttr(log, S_keep_graph);
-    if (!flag) goto done;
+    PyObject *dtype = NULL, *shape = NULL, *flag = NULL, *stats = NULL, *copy = NULL, *call = NULL, *step = NULL,
+             *rows = NULL, *row = NULL, *nbytes = NULL, *result = NULL;
+    if (!(flag = PyObject_GetAttr(log, S_keep_graph))) goto done;
     int keep = PyObject_IsTrue(flag);
     Py_CLEAR(flag);
     if (keep) {
         if (keep > 0) result = Py_NewRef(Py_False);
         goto done;
     }
-    /* The checks of picklehooks._native.stats, in its order. */
-    if (!(dtype = PyObject_GetAttr(x, S_dtype))) goto done;
-    PyObject *code = PyDict_GetItemWithError(CODES, dtype); /* borrowed */
-    if (!code) {
+    if (!(dtype = PyObject_GetAttr(x, S_dtype)) || !(flag = PyObject_GetAttr(x, S_requires_grad)))
+        goto done;
+    if (!(shape = soft(PyObject_GetAttr(x, S_shape)))) { /* nested tensors have none */
         if (!PyErr_Occurred()) result = Py_NewRef(Py_False);
         goto done;
     }
-    if (!(flag = PyObject_GetAttr(x, S_is_cpu))) goto done;
-    if (flag != Py_True) {
-        result = Py_NewRef(Py_False);
-        goto done;
-    }
+    int requires_grad = flag == Py_True;
     Py_CLEAR(flag);
-    if (!(flag = PyObject_CallMethodNoArgs(x, S_is_neg))) goto done;
-    if (flag != Py_False) {
-        result = Py_NewRef(Py_False);
-        goto done;
-    }
-    if (!(ptr = soft(PyObject_CallMethodNoArgs(x, S_data_ptr))) || !(shape = PyObject_GetAttr(x, S_shape)) ||
-        !(stride = soft(PyObject_CallMethodNoArgs(x, S_stride)))) {
+    PyObject *kept = want_stats ? (stats = stats_of(x, dtype, shape)) : (copy = copy_of(x, requires_grad));
+    if (!kept) {
         if (!PyErr_Occurred()) result = Py_NewRef(Py_False);
-        goto done;
-    }
-    PyObject *kernel_args[4] = {ptr, code, shape, stride};
-    if (!(stats = soft(PyObject_Vectorcall(KERNEL, kernel_args, 4, NULL)))) {
-        if (!PyErr_Occurred()) result = Py_NewRef(Py_False);
-        goto done;
-    }
-    if (stats == Py_None) { /* empty, or data the kernel leaves to PyTorch */
-        result = Py_NewRef(Py_False);
         goto done;
     }
 
-    /* Handled from here on: number the call, append the row. */
+    /* Handled from here on: number the call, count a copy's bytes, append the row. */
     PyObject *expect = NONE_EXPECTED; /* borrowed */
     int paired = PySet_Contains(PAIRED, kind);
     if (paired < 0) goto done;
-    if (paired) {
-        Py_CLEAR(flag);
-        if (!(flag = PyObject_GetAttr(x, S_requires_grad))) goto done;
-        if (flag == Py_True) {
-            expect = SURE;
-        } else {
-            Py_CLEAR(flag);
-            if (!(flag = PyObject_CallNoArgs(GRAD_ENABLED))) goto done;
-            expect = flag == Py_True ? NONE_EXPECTED : MAYBE;
-        }
+    if (paired && requires_grad) {
+        expect = SURE;
+    } else if (paired) {
+        if (!(flag = PyObject_CallNoArgs(GRAD_ENABLED))) goto done;
+        expect = flag == Py_True ? NONE_EXPECTED : MAYBE;
     }
     PyObject *call_args[5] = {log, module, kind, path, expect};
     if (!(call = PyObject_VectorcallMethod(S_next_call, call_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) ||
         !(step = PyObject_GetAttr(log, S_step)) || !(rows = PyObject_GetAttr(log, S_rows)))
         goto done;
     if (!PyList_Check(rows)) {
-        PyErr_SetString(PyExc_TypeError, "add_stats_row: log._rows is not a list");
+        PyErr_SetString(PyExc_TypeError, "add_row: log._rows is not a list");
         goto done;
     }
-    if (!(row = PyTuple_Pack(11, module, kind, path, call, step, shape, dtype, stats, Py_None, Py_None, Py_None)) ||
+    if (copy) { /* log._tensor_bytes += x.numel() * x.element_size() */
+        PyObject *numel = PyObject_CallMethodNoArgs(x, S_numel);
+        PyObject *size = numel ? PyObject_CallMethodNoArgs(x, S_element_size) : NULL;
+        PyObject *bytes = size ? PyNumber_Multiply(numel, size) : NULL;
+        PyObject *total = bytes ? PyObject_GetAttr(log, S_tensor_bytes) : NULL;
+        nbytes = total ? PyNumber_Add(total, bytes) : NULL;
+        Py_XDECREF(numel);
+        Py_XDECREF(size);
+        Py_XDECREF(bytes);
+        Py_XDECREF(total);
+        if (!nbytes || PyObject_SetAttr(log, S_tensor_bytes, nbytes) < 0) goto done;
+    }
+    if (!(row = PyTuple_Pack(11, module, kind, path, call, step, shape, dtype, stats ? stats : Py_None, Py_None,
+                             copy ? copy : Py_None, Py_None)) ||
         PyList_Append(rows, row) < 0)
         goto done;
     result = Py_NewRef(Py_True);
 done:
     Py_XDECREF(dtype);
-    Py_XDECREF(flag);
-    Py_XDECREF(ptr);
     Py_XDECREF(shape);
-    Py_XDECREF(stride);
+    Py_XDECREF(flag);
     Py_XDECREF(stats);
+    Py_XDECREF(copy);
     Py_XDECREF(call);
     Py_XDECREF(step);
     Py_XDECREF(rows);
     Py_XDECREF(row);
+    Py_XDECREF(nbytes);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))frow_configure, METH_VARARGS | METH_KEYWORDS,
-     "configure(*, types, codes, kernel, soft_errors, grad_enabled, paired, sure, maybe, none, stats_bit,\n"
-     "          python_bits): what add_stats_row checks and writes (see the module's source)."},
-    {"add_stats_row", (PyCFunction)(void (*)(void))frow_add_stats_row, METH_FASTCALL,
-     "add_stats_row(log, module, kind, path, x, flags) -> bool: record x's statistics as\n"
+     "configure(*, types, codes, kernel, soft_errors, grad_enabled, strided, paired, sure, maybe, none,\n"
+     "          stats_bit, tensor_bit, python_bits): what add_row checks and writes (see the module's source)."},
+    {"add_row", (PyCFunction)(void (*)(void))frow_add_row, METH_FASTCALL,
+     "add_row(log, module, kind, path, x, flags) -> bool: record x's statistics or a copy of it as\n"
      "Log._add_tensor would, or return False having done nothing."},
     {NULL, NULL, 0, NULL},
 };

@@ -42,10 +42,11 @@ storage was freed under it (``untyped_storage().resize_(0)``, as FSDP does)
 is refused only when its address is in the first page (zero storage
 offset); otherwise reading it is as unsafe as ``x.sum()``.
 
-:func:`row_lane` configures and returns ``_frow.add_stats_row``: the
-statistics-only case of ``picklehooks.log.Log._add_tensor`` in one C call
-(the checks of :func:`stats`, the native pass, the call number, the row),
-which returns ``False``, having done nothing, for anything else. Inside a
+:func:`row_lane` configures and returns ``_frow.add_row``: the common
+cases of ``picklehooks.log.Log._add_tensor`` in one C call (statistics only:
+the checks of :func:`stats` and the native pass; or a copy only, for
+``mode="tensor"``; then the call number and the row), which returns
+``False``, having done nothing, for anything else. Inside a
 model it measured 1 to 3 µs less per record than the same steps in Python
 (``bench/bench_record_path.py``).
 
@@ -84,7 +85,7 @@ try:
     if _fstats is None:
         raise ImportError("the row lane needs _fstats")
     _frow = importlib.import_module("._frow", __package__)
-    _frow.configure, _frow.add_stats_row  # noqa: B018 -- a stale build without them counts as none
+    _frow.configure, _frow.add_row  # noqa: B018 -- a stale build without them counts as none
 except (ImportError, AttributeError):
     _frow = None
 
@@ -120,19 +121,20 @@ else:
         return None
 
 
-def row_lane(*, paired: frozenset, sure: int, maybe: int, none: int, stats_bit: int, python_bits: int):
-    """``_frow.add_stats_row``, configured with the row format's constants, or ``None`` where it's off.
+def row_lane(*, paired: frozenset, sure: int, maybe: int, none: int, stats_bit: int, tensor_bit: int,
+             python_bits: int):
+    """``_frow.add_row``, configured with the row format's constants, or ``None`` where it's off.
 
     ``picklehooks.log`` calls this once at import with its own constants:
     ``paired`` kinds await a gradient, ``sure``/``maybe``/``none`` are what
-    ``_next_call`` takes as ``expect``, ``stats_bit`` is the flag asking for
-    statistics, ``python_bits`` the flags that need ``Log._add_tensor``'s
-    Python path. The tensor side (types, dtype codes, kernel, soft errors) is
+    ``_next_call`` takes as ``expect``, ``stats_bit`` and ``tensor_bit`` are
+    the flags asking for statistics and for a copy, ``python_bits`` the flags
+    that need ``Log._add_tensor``'s Python path. The tensor side (types, dtype codes, kernel, soft errors) is
     this module's, so both paths check tensors alike.
     """
     if not AVAILABLE or _frow is None:
         return None
     _frow.configure(types=tuple(_PLAIN), codes=_CODES, kernel=_kernel, soft_errors=_SOFT_ERRORS,
-                    grad_enabled=torch.is_grad_enabled, paired=paired, sure=sure, maybe=maybe, none=none,
-                    stats_bit=stats_bit, python_bits=python_bits)
-    return _frow.add_stats_row
+                    grad_enabled=torch.is_grad_enabled, strided=torch.strided, paired=paired, sure=sure,
+                    maybe=maybe, none=none, stats_bit=stats_bit, tensor_bit=tensor_bit, python_bits=python_bits)
+    return _frow.add_row

@@ -214,9 +214,9 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
 
 
 _PAIRED = frozenset(_FORWARD_OF.values())
-# Log._add_tensor's statistics-only case in one C call (see picklehooks._native.row_lane), or None.
-_add_stats_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS,
-                                  python_bits=TENSOR | GRAD_SURE | GRAD_NONE)
+# Log._add_tensor's common cases in one C call (see picklehooks._native.row_lane), or None.
+_add_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS, tensor_bit=TENSOR,
+                            python_bits=GRAD_SURE | GRAD_NONE)
 # Layouts recorded as their dense values (Log._add_tensor); torch.strided and nested tensors are as they are.
 _DENSIFIED = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc,
                         torch._mkldnn})
@@ -438,10 +438,10 @@ class Log:
         ``x`` is copied into a row of a batch that is reduced later, on its
         device (:class:`_Pending`), with no host sync either way.
 
-        Most records (statistics only, of a CPU tensor) take ``_add_stats_row``,
+        Most records (statistics of a CPU tensor, or a copy alone) take ``_add_row``,
         which does all of this in one C call; the rows are the same.
         """
-        if _add_stats_row is not None and _add_stats_row(self, module, kind, path, x, flags):
+        if _add_row is not None and _add_row(self, module, kind, path, x, flags):
             return
         call = self._next_call(module, kind, path, _expects_grad(kind, x, flags) if kind in _PAIRED else 0)
         live = x if self.keep_graph else None

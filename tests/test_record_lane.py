@@ -1,4 +1,4 @@
-"""The C record lane (picklehooks._frow.add_stats_row) writes what Log._add_tensor's Python path writes.
+"""The C record lane (picklehooks._frow.add_row) writes what Log._add_tensor's Python path writes.
 
 Every case is recorded twice, into two fresh logs: once through
 ``Log._add_tensor`` with the lane, once with the lane switched off (the
@@ -18,10 +18,11 @@ import picklehooks.log as log_module
 from picklehooks import _ops
 from picklehooks.log import Log
 
-pytestmark = pytest.mark.skipif(log_module._add_stats_row is None,
+pytestmark = pytest.mark.skipif(log_module._add_row is None,
                                 reason="picklehooks._frow is not built here, or PICKLEHOOKS_NATIVE=0")
 
 STATS = _ops.VALUE | _ops.STATS
+COPY = _ops.VALUE | _ops.TENSOR  # mode="tensor"
 
 
 class Sub(torch.Tensor):
@@ -63,6 +64,15 @@ def rows_of(log: Log) -> list[tuple]:
             for m, k, p, c, s, shape, dtype, stats, src, tensor, live in log._rows]
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and elements, NaN equal to NaN."""
+    try:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    except AssertionError:
+        return False
+    return True
+
+
 def same_stats(a, b) -> bool:
     return a is b or (a is not None and b is not None and len(a) == len(b)
                       and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b)))
@@ -76,14 +86,14 @@ def record_twice(monkeypatch, x: torch.Tensor, kind: str, flags: int, *, grad: b
     with torch.set_grad_enabled(grad):
         for _ in range(repeat):
             rows, calls = len(with_lane._rows), dict(with_lane._calls)
-            took = log_module._add_stats_row(with_lane, "m", kind, "0", x, flags)
+            took = log_module._add_row(with_lane, "m", kind, "0", x, flags)
             if not took:
                 assert len(with_lane._rows) == rows and with_lane._calls == calls, \
                     "a declined value left a row or a call number behind"
                 with_lane._add_tensor("m", kind, "0", x, flags)
             handled = took if handled is None else handled
             with monkeypatch.context() as patch:
-                patch.setattr(log_module, "_add_stats_row", None)
+                patch.setattr(log_module, "_add_row", None)
                 without._add_tensor("m", kind, "0", x, flags)
     return with_lane, without, handled
 
@@ -94,7 +104,11 @@ def assert_same_logs(a: Log, b: Log) -> None:
     for x, y in zip(ra, rb):
         assert x[:7] == y[:7] and same_stats(x[7], y[7]), (x, y)
         assert (x[8] is None) == (y[8] is None) and (x[9] is None) == (y[9] is None) and x[10] is y[10]
+        if x[9] is not None:  # kept copies: the same values, layout and grad state, each its own memory
+            assert same_values(x[9], y[9]) and x[9].is_contiguous() and not x[9].requires_grad
+            assert x[9].untyped_storage().data_ptr() != y[9].untyped_storage().data_ptr()
     assert a._calls == b._calls and a._awaiting_grad == b._awaiting_grad and a._maybe_grad == b._maybe_grad
+    assert a._tensor_bytes == b._tensor_bytes
 
 
 @pytest.mark.parametrize("kind", ["output", "input", "param", "grad_output"])
@@ -117,29 +131,56 @@ def test_handled_values_give_the_python_paths_rows(monkeypatch, name, grad, kind
         assert stats[7] == torch.isinf(ref).sum().item()
 
 
-@pytest.mark.parametrize("name", list(declined_values()))
-def test_declined_values_go_to_the_python_path(monkeypatch, name):
+# Statistics decline all of these; a copy declines only what isn't a strided tensor of a plain type.
+@pytest.mark.parametrize("name, flags", [*((name, STATS) for name in declined_values()),
+                                         ("subclass", COPY), ("sparse", COPY)])
+def test_declined_values_go_to_the_python_path(monkeypatch, name, flags):
     x = declined_values()[name]
     if name in ("meta", "sparse"):  # the lane declines; what the Python path does is not this file's subject
         log = Log()
-        assert log_module._add_stats_row(log, "m", "output", "0", x, STATS) is False
+        assert log_module._add_row(log, "m", "output", "0", x, flags) is False
         assert not log._rows and not log._calls
         return
-    a, b, handled = record_twice(monkeypatch, x, "output", STATS)
+    a, b, handled = record_twice(monkeypatch, x, "output", flags)
     assert handled is False
     assert_same_logs(a, b)
     # What the Python path recorded reads back as PyTorch computes it.
     rec = a.records[0]
-    if x.numel() and x.is_floating_point():
+    if flags == STATS and x.numel() and x.is_floating_point():
         assert rec.stats["max"] == pytest.approx(x.detach().double().max().item())
+
+
+@pytest.mark.parametrize("kind", ["output", "input", "param"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad mode", "no_grad"])
+@pytest.mark.parametrize("name", [*handled_values(), "integer"])
+def test_copies_give_the_python_paths_rows(monkeypatch, name, grad, kind):
+    """mode="tensor": the lane keeps a detached contiguous copy of any strided tensor, as the Python path does."""
+    x = {**handled_values(), "integer": torch.arange(12).reshape(3, 4)}[name]
+    a, b, handled = record_twice(monkeypatch, x, kind, COPY, grad=grad)
+    assert handled
+    assert_same_logs(a, b)
+    for row in a._rows:
+        assert same_values(row[9], x.detach()) and row[9].data_ptr() != x.data_ptr()
+    assert a._tensor_bytes == 2 * x.numel() * x.element_size()
+
+
+def test_a_copy_does_not_follow_later_changes():
+    """The copy is taken when recorded: an in-place change of the value afterwards doesn't reach it."""
+    x = torch.randn(4, 5)
+    log = Log()
+    assert log_module._add_row(log, "m", "output", "", x, COPY)
+    before = x.clone()
+    x.mul_(2)
+    assert torch.equal(log.records[0].tensor, before)
 
 
 @pytest.mark.parametrize("flags, keep_graph", [
     (STATS | _ops.TENSOR, False),  # mode="both": keeps a copy too
     (STATS | _ops.GRAD_SURE, False),  # what tracing saw decides the pairing
     (STATS | _ops.GRAD_NONE, False),
-    (_ops.VALUE | _ops.TENSOR, False),  # mode="tensor"
+    (COPY | _ops.GRAD_SURE, False),
     (STATS, True),  # record(keep_graph=True) keeps the live value
+    (COPY, True),
 ])
 def test_other_records_go_to_the_python_path(monkeypatch, flags, keep_graph):
     x = torch.randn(4, 5, requires_grad=True)
@@ -155,7 +196,7 @@ def test_an_error_in_numbering_propagates():
             raise KeyError("broken numbering")
 
     with pytest.raises(KeyError, match="broken numbering"):
-        log_module._add_stats_row(Broken(), "m", "output", "0", torch.randn(3), STATS)
+        log_module._add_row(Broken(), "m", "output", "0", torch.randn(3), STATS)
 
 
 def test_the_lane_is_off_with_the_extensions():
@@ -164,8 +205,8 @@ def test_the_lane_is_off_with_the_extensions():
     import subprocess
     import sys
 
-    code = "import picklehooks.log as l, picklehooks._native as n; print(l._add_stats_row, n.AVAILABLE)"
-    for value, want in (("0", "None False"), ("1", "<built-in function add_stats_row> True")):
+    code = "import picklehooks.log as l, picklehooks._native as n; print(l._add_row, n.AVAILABLE)"
+    for value, want in (("0", "None False"), ("1", "<built-in function add_row> True")):
         env = {**os.environ, "PICKLEHOOKS_NATIVE": value}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr

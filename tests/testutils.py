@@ -73,4 +73,4 @@ def use_pytorch_stats(monkeypatch) -> None:
     import picklehooks.log
 
     monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
-    monkeypatch.setattr(picklehooks.log, "_add_stats_row", None)
+    monkeypatch.setattr(picklehooks.log, "_add_row", None)
