@@ -1,6 +1,6 @@
 """Microbenchmark of one recorded value on the eager path: where a record's microseconds go.
 
-Run from the repository root (about a minute)::
+Run from the repository root (about two minutes)::
 
     .venv/bin/python bench/bench_record_path.py
     .venv/bin/python bench/bench_record_path.py --rounds 2 --calls 50   # a quick check that it runs

@@ -30,7 +30,7 @@
  * for the tensor, picklehooks/log.py for the row) passes every name and
  * constant to configure(), so none is spelled twice.
  *
- * Why C: the same steps in Python measured 1 to 3 us more per record inside
+ * Why C: the same steps in Python measured 1 to 5.5 us more per record inside
  * a model (fewer interpreted instructions, less cache traffic), though only
  * about 0.3 us in a tight loop; see bench/bench_record_path.py.
  */

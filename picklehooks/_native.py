@@ -47,7 +47,7 @@ cases of ``picklehooks.log.Log._add_tensor`` in one C call (statistics only:
 the checks of :func:`stats` and the native pass; or a copy only, for
 ``mode="tensor"``; then the call number and the row), which returns
 ``False``, having done nothing, for anything else. Inside a
-model it measured 1 to 3 µs less per record than the same steps in Python
+model it measured 1 to 5.5 µs less per record than the same steps in Python
 (``bench/bench_record_path.py``).
 
 ``PICKLEHOOKS_NATIVE=0`` in the environment, read once at import, turns the
