@@ -22,6 +22,7 @@ import picklehooks
 import picklehooks._hookrt
 from picklehooks.log import STAT_NAMES
 from tests.test_faithful_stats import Masks, plain_outputs, reference
+from tests.testutils import plain_stats
 
 
 @pytest.fixture(params=["graph", "kernel"], autouse=True)
@@ -29,15 +30,6 @@ def graph(request, monkeypatch):
     """Statistics reduced by the compiled graph, or by the record op's kernel (native, or the fallback)."""
     monkeypatch.setattr(picklehooks._hookrt, "_GRAPH_STATS_ON_CPU", request.param == "graph")
     return request.param
-
-
-def plain_reference(t: torch.Tensor) -> dict:
-    """Statistics by their definition, for small values that may be NaN or Inf (float64 torch calls)."""
-    v = t.detach().to(torch.float64).flatten()
-    return {"mean": v.mean().item(), "std": v.std(correction=0).item(), "min": v.min().item(),
-            "max": v.max().item(), "absmax": v.abs().max().item(), "norm": torch.linalg.vector_norm(v).item(),
-            "nan": int(torch.isnan(v).sum()), "inf": int(torch.isinf(v).sum()),
-            "zero_frac": (v == 0).sum().item() / v.numel()}
 
 
 def agrees(got: dict, want: dict) -> bool:
@@ -189,9 +181,9 @@ def test_compiled_statistics_of_non_finite_values_and_every_module(form):
         run(x)
     emitted = [r.stats for r in log.records if r.module == "emit"]
     assert len(want) == 5
-    assert_each_matched(emitted, [plain_reference(t) for t in want])
+    assert_each_matched(emitted, [plain_stats(t) for t in want])
     (lin,) = [r for r in log.records if r.module == "lin"]
-    assert_stats(lin.stats, plain_reference(lin_out[0]), "lin")
+    assert_stats(lin.stats, plain_stats(lin_out[0]), "lin")
     assert lin.shape == (5, 6) and lin.dtype == "float32"
 
 
@@ -229,4 +221,4 @@ def test_compiled_gradients_still_pair_with_their_calls():
     keys = sorted(r.key for r in log.records)
     assert keys == [("lin", "grad_output", "", 0), ("lin", "output", "", 0), ("lin", "output", "", 1)]
     (grad,) = [r for r in log.records if r.kind == "grad_output"]
-    assert_stats(grad.stats, plain_reference(grads[0]), "grad")
+    assert_stats(grad.stats, plain_stats(grads[0]), "grad")

@@ -15,6 +15,7 @@ from torch import nn
 
 import picklehooks
 from picklehooks.log import STAT_NAMES
+from tests.testutils import plain_stats
 
 TABLE_KEYS = ["module", "kind", "path", "call", "step", "shape", "dtype", "value", *STAT_NAMES]
 
@@ -26,22 +27,6 @@ def mlp(seed: int = 0) -> nn.Sequential:
 
 def inputs(seed: int = 1, shape=(5, 4)) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def expected_stats(t: torch.Tensor) -> dict:
-    """The documented statistics, computed directly with torch (float64, population std)."""
-    v = t.detach().to(torch.float64)
-    return {
-        "mean": v.mean().item(),
-        "std": v.std(correction=0).item(),
-        "min": v.min().item(),
-        "max": v.max().item(),
-        "absmax": v.abs().max().item(),
-        "norm": torch.linalg.vector_norm(v).item(),
-        "nan": int(torch.isnan(v).sum()),
-        "inf": int(torch.isinf(v).sum()),
-        "zero_frac": (v == 0).sum().item() / v.numel(),
-    }
 
 
 def same_float(a, b) -> bool:
@@ -106,7 +91,7 @@ class TestStats:
         assert [r.module for r in log.records] == ["0", "1", "2"]
         for rec in log.records:
             assert rec.tensor is not None and rec.stats is not None
-            want = expected_stats(rec.tensor)
+            want = plain_stats(rec.tensor)
             for name in STAT_NAMES:
                 # float32 tensors are reduced in float32 (see picklehooks._stats).
                 assert rec.stats[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), (rec.key, name)
@@ -121,7 +106,7 @@ class TestStats:
         with picklehooks.record() as log:
             model(inputs().double())
         for rec in log.records:
-            want = expected_stats(rec.tensor)
+            want = plain_stats(rec.tensor)
             for name in STAT_NAMES:
                 assert rec.stats[name] == pytest.approx(want[name], rel=1e-12, abs=1e-12), (rec.key, name)
 
@@ -235,7 +220,7 @@ class TestStats:
             assert rec.key == original.key and rec.shape == original.shape and rec.dtype == original.dtype
             assert rec.stats == original.stats
         assert copies[2].step == 7 and records[2].step == 0
-        want = expected_stats(outputs[0])
+        want = plain_stats(outputs[0])
         for name in STAT_NAMES:
             assert unread[0].stats[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
         ref = weakref.ref(records[0])
@@ -265,7 +250,7 @@ class TestStats:
             if mode == "tensor":
                 assert rec.tensor.layout == torch.strided and torch.equal(rec.tensor, x)
                 continue
-            want = expected_stats(x)
+            want = plain_stats(x)
             for name in STAT_NAMES:
                 assert rec.stats[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
 
@@ -282,7 +267,7 @@ class TestStats:
         plain(ids).pow(2).sum().backward()
         assert model[0].weight.grad.is_sparse  # the model's own gradient stays sparse
         (rec,) = [r for r in log.records if r.kind == "param_grad"]
-        want = expected_stats(plain[0].weight.grad.to_dense())
+        want = plain_stats(plain[0].weight.grad.to_dense())
         assert rec.shape == (10, 3)
         for name in STAT_NAMES:
             assert rec.stats[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
@@ -339,7 +324,7 @@ class TestBatchedReduction:
         assert len(log.records) == len(values)
         for rec, v in zip(log.records, values):
             assert torch.equal(rec.tensor.nan_to_num(), v.nan_to_num())
-            want = expected_stats(v)
+            want = plain_stats(v)
             for name in STAT_NAMES:
                 got = rec.stats[name]
                 assert same_float(got, want[name]) or got == pytest.approx(want[name], rel=1e-5, abs=1e-5), \

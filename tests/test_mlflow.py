@@ -32,7 +32,7 @@ import picklehooks.mlflow as phm  # noqa: E402
 from picklehooks import PicklehooksError  # noqa: E402
 from picklehooks.log import STAT_NAMES  # noqa: E402
 
-from .testutils import run_fresh  # noqa: E402
+from .testutils import plain_stats, run_fresh  # noqa: E402
 
 # MLflow's SQLite store on SQLAlchemy 2.1 warns about its own mapper options; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
@@ -172,17 +172,6 @@ def batch(seed: int, rows: int = 5) -> torch.Tensor:
     return torch.randn(rows, 4, generator=torch.Generator().manual_seed(seed))
 
 
-def reference(t: torch.Tensor) -> dict:
-    """Every statistic of ``t`` from plain PyTorch in float64 (population std)."""
-    v = t.detach().to(torch.float64)
-    return {
-        "mean": v.mean().item(), "std": v.std(correction=0).item(), "min": v.min().item(), "max": v.max().item(),
-        "absmax": v.abs().max().item(), "norm": torch.linalg.vector_norm(v).item(),
-        "nan": int(torch.isnan(v).sum()), "inf": int(torch.isinf(v).sum()),
-        "zero_frac": (v == 0).sum().item() / v.numel(),
-    }
-
-
 def plain_values() -> dict[str, list[tuple[int, dict]]]:
     """``{metric key: [(step, float64 statistics), ...]}`` from plain forward and backward hooks on an
     un-instrumented copy, with the key the docs promise: ``/call<k>`` for the k-th call in a step."""
@@ -203,7 +192,7 @@ def plain_values() -> dict[str, list[tuple[int, dict]]]:
     for name, kind, at, tensor in seen:
         k = calls[name, kind, at] = calls.get((name, kind, at), -1) + 1
         prefix = f"picklehooks/{name}/{kind}" + (f"/call{k}" if k else "")
-        for stat, value in reference(tensor).items():
+        for stat, value in plain_stats(tensor).items():
             out.setdefault(f"{prefix}/{stat}", []).append((at, value))
     return out
 

@@ -74,3 +74,20 @@ def use_pytorch_stats(monkeypatch) -> None:
 
     monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
     monkeypatch.setattr(picklehooks.log, "_add_row", None)
+
+
+def plain_stats(t: torch.Tensor) -> dict:
+    """Every documented statistic of ``t`` by its definition: plain PyTorch in float64, population std
+    (for values whose float64 sums can't overflow; tests/test_faithful_stats.py scales the others)."""
+    v = t.detach().to(torch.float64)
+    return {
+        "mean": v.mean().item(),
+        "std": v.std(correction=0).item(),
+        "min": v.min().item(),
+        "max": v.max().item(),
+        "absmax": v.abs().max().item(),
+        "norm": torch.linalg.vector_norm(v).item(),
+        "nan": int(torch.isnan(v).sum()),
+        "inf": int(torch.isinf(v).sum()),
+        "zero_frac": (v == 0).sum().item() / v.numel(),
+    }
