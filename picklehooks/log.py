@@ -220,7 +220,6 @@ _add_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, st
 # Layouts recorded as their dense values (Log._add_tensor); torch.strided and nested tensors are as they are.
 _DENSIFIED = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc,
                         torch._mkldnn})
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # dtype_name(), by dtype: records are built by the thousand
 
 
 class _PendingRow(tuple):
@@ -500,14 +499,10 @@ class Log:
         if n:
             rank = self.rank
             append = records.append
-            names = _DTYPE_NAMES
             for module, kind, path, call, step, shape, dtype, stats, src, tensor, live in rows[:n]:
-                name = names.get(dtype)
-                if name is None:
-                    name = names[dtype] = dtype_name(dtype)
                 # Positional: Record's field order (module ... step, shape, dtype, tensor, value,
                 # live, rank, _stats, _src); binding keywords costs more than the rest of the loop.
-                append(Record(module, kind, path, call, step, tuple(shape), name, tensor, None, live,
+                append(Record(module, kind, path, call, step, tuple(shape), dtype_name(dtype), tensor, None, live,
                               rank, None, src if stats is None else stats))
             del rows[:n]
         return records
