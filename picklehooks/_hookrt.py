@@ -31,6 +31,7 @@ recomputation and records no values.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import torch
 
@@ -158,6 +159,33 @@ _alias = super(torch.autograd.Function, _Alias).apply  # bound to _Alias
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
+# The key of the hook _hook_grad puts in a tensor's hook dictionary: not an int, so never the id
+# of a RemovableHandle that Tensor.register_hook adds beside it.
+_HOOK_KEY = "picklehooks"
+_has_torch_function = torch._C._has_torch_function_unary
+
+
+def _hook_grad(x: torch.Tensor, recorder: _GradRecorder) -> None:
+    """``x.register_hook(recorder)``, without the ``RemovableHandle`` nobody would keep.
+
+    On a new non-leaf tensor with no hooks yet this does what
+    ``Tensor.register_hook`` does (an ``OrderedDict`` of hooks, registered with
+    ``x.grad_fn``) in about 0.9 µs instead of 3.3 µs: once per recorded output
+    that requires grad. Hooks added later through ``register_hook`` go into the
+    same dictionary and run after this one, as they would have. Anything else
+    (a tensor subclass or torch function mode, a functorch transform, a tensor
+    with hooks already) takes ``register_hook`` itself.
+    """
+    if x._backward_hooks is None and x.grad_fn is not None and not _has_torch_function(x) \
+            and not _functorch_active():
+        hooks = OrderedDict()
+        hooks[_HOOK_KEY] = recorder
+        x._backward_hooks = hooks
+        x.grad_fn._register_hook_dict(x)
+    else:
+        x.register_hook(recorder)
+
+
 def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None,
                direct: bool = False):
     """What the tap op does, for plain eager mode, without the op's dispatch cost.
@@ -197,9 +225,9 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
             x = x.view_as(x)
-            x.register_hook(recorder)
+            _hook_grad(x, recorder)
         elif direct and not x._is_view():
-            x.register_hook(recorder)  # stays with this value if the caller changes it in place
+            _hook_grad(x, recorder)  # stays with this value if the caller changes it in place
         elif _functorch_active():  # vmap, grad: the full apply (which binds arguments by signature)
             x = _Alias.apply(x, recorder)
         else:
