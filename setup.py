@@ -30,7 +30,8 @@ setup(
         ),
         Extension(
             "picklehooks._frow",
-            sources=["picklehooks/_frow.c"],
+            sources=["picklehooks/_frow.c", "picklehooks/_fhook.c"],
+            depends=["picklehooks/_frow.h"],
             extra_compile_args=compile_args,
             optional=True,
         ),

@@ -31,9 +31,10 @@ thread's CPU time (``time.thread_time``), garbage collector off:
 
 Then, inside the bench's MLP (12 × Linear(256)+LayerNorm+GELU, batch 32,
 forward under ``no_grad`` and forward+backward, recording statistics and
-reading them, and recording with ``mode="tensor"``), the C record lane
-(``picklehooks/_frow.c``) against the Python path it replaces
-(``Log._add_tensor`` with the lane switched off), interleaved in one
+reading them, and recording with ``mode="tensor"``), the C lanes
+(``picklehooks/_frow.c``'s record lane and ``picklehooks/_fhook.c``'s hook
+lane) against the Python path they replace (``_hookrt`` and
+``Log._add_tensor`` with the lanes switched off), interleaved in one
 process: thread time above the un-instrumented model per record.
 
 It needs the native kernel (built, and ``PICKLEHOOKS_NATIVE`` not ``0``):
@@ -131,7 +132,7 @@ def main() -> None:
 
 
 def lane_in_a_model(rounds: int) -> None:
-    """The C lane against the Python path, per record, inside the MLP (see the module docstring)."""
+    """The C lanes against the Python path, per record, inside the MLP (see the module docstring)."""
     import copy
     import os
     import sys
@@ -139,9 +140,10 @@ def lane_in_a_model(rounds: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_logging import make_mlp
 
-    lane = _log._add_row
-    if lane is None:
-        print("\n(no C record lane here: picklehooks._frow isn't built)")
+    lanes = (_log._add_row, _hookrt._forward_lane, _hookrt._GradRecorder)
+    python = (None, None, _hookrt._PyGradRecorder)
+    if lanes[0] is None or lanes[1] is None:
+        print("\n(no C lanes here: picklehooks._frow isn't built)")
         return
     model, x = make_mlp()
     plain, for_stats, for_tensors = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
@@ -158,19 +160,19 @@ def lane_in_a_model(rounds: int) -> None:
 
     def recorded(m: nn.Module, with_lane: bool, backward: bool):
         def run() -> None:
-            _log._add_row = lane if with_lane else None
+            _log._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes if with_lane else python
             try:
                 with picklehooks.record() as log:
                     step(m, backward)
                 log.records[-1].stats  # noqa: B018 -- reading, as bench_logging.py does
             finally:
-                _log._add_row = lane
+                _log._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes
         return run
 
     print("\nInside the MLP: thread time above the un-instrumented model, µs per record (median of "
           f"{rounds} interleaved rounds).\n")
-    print("| workload | stats, Python path (lane off) | stats, C record lane "
-          "| mode=\"tensor\", Python path | mode=\"tensor\", C record lane |")
+    print("| workload | stats, Python path (lanes off) | stats, C lanes "
+          "| mode=\"tensor\", Python path | mode=\"tensor\", C lanes |")
     print("| :--- | ---: | ---: | ---: | ---: |")
     for backward in (False, True):
         variants = {"plain": lambda b=backward: step(plain, b),

@@ -5,6 +5,10 @@
  *
  *   add_row(log, module, kind, path, x, flags) -> True, or False when not
  *                                                handled here
+ *   next_call(log, module, kind, path, expect) -> the record's call number:
+ *       Log._next_call, step for step, but for the pairing of an input or
+ *       output with its invocation, which it asks log._invocation for
+ *       (tests/test_record_lane.py checks both number any sequence alike)
  *
  * False means nothing was done (no call numbered, no copy counted, no row),
  * and the caller goes on to Log._add_tensor's Python path: statistics and a
@@ -19,7 +23,7 @@
  *
  * When handled, the order is: the statistics or the copy (detached if x
  * requires grad; clone() if contiguous, else contiguous()), then the call
- * number from log._next_call(module, kind, path, expect), then, for a copy,
+ * number from next_call(log, module, kind, path, expect), then, for a copy,
  * log._tensor_bytes += x.numel() * x.element_size(), then the row
  *   (module, kind, path, call, log.step, x.shape, x.dtype, stats or None,
  *    None, copy or None, None)
@@ -32,10 +36,10 @@
  *
  * Why C: the same steps in Python measured 1 to 5.5 us more per record inside
  * a model (fewer interpreted instructions, less cache traffic), though only
- * about 0.3 us in a tight loop; see bench/bench_record_path.py.
+ * about 0.3 us in a tight loop; see bench/bench_record_path.py. _fhook.c, the
+ * extension's other source, is the hook lane that calls add_row.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_frow.h"
 
 /* What configure() sets; NULL (or 0) until then. */
 static PyObject *TYPES;         /* tuple of the exact tensor types handled */
@@ -46,12 +50,16 @@ static PyObject *GRAD_ENABLED;  /* torch.is_grad_enabled */
 static PyObject *PAIRED;        /* kinds whose forward values await a gradient */
 static PyObject *SURE, *MAYBE, *NONE_EXPECTED;
 static PyObject *STRIDED;       /* torch.strided */
+static PyObject *ONE;           /* 1 */
+static PyObject *FORWARD_OF;    /* dict: gradient kind -> the forward kind it pairs with */
+static Py_ssize_t MAYBE_TRIM, MAYBE_KEPT; /* a MAYBE list longer than TRIM keeps its last KEPT calls */
 /* The bits that ask for statistics and for a copy; bits that need Python. */
 static long STATS_BIT, TENSOR_BIT, PYTHON_BITS;
 
-static PyObject *S_keep_graph, *S_dtype, *S_is_cpu, *S_is_neg, *S_data_ptr, *S_shape, *S_stride, *S_next_call,
+static PyObject *S_keep_graph, *S_dtype, *S_is_cpu, *S_is_neg, *S_data_ptr, *S_shape, *S_stride,
     *S_rows, *S_step, *S_requires_grad, *S_layout, *S_detach, *S_is_contiguous, *S_clone, *S_contiguous, *S_numel,
-    *S_element_size, *S_tensor_bytes;
+    *S_element_size, *S_tensor_bytes, *S_calls, *S_open, *S_awaiting_grad, *S_maybe_grad, *S_invocation,
+    *S_input, *S_output;
 
 static int intern_names(void) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return -1
@@ -62,7 +70,6 @@ static int intern_names(void) {
     INTERN(S_data_ptr, "data_ptr");
     INTERN(S_shape, "shape");
     INTERN(S_stride, "stride");
-    INTERN(S_next_call, "_next_call");
     INTERN(S_rows, "_rows");
     INTERN(S_step, "step");
     INTERN(S_requires_grad, "requires_grad");
@@ -74,26 +81,34 @@ static int intern_names(void) {
     INTERN(S_numel, "numel");
     INTERN(S_element_size, "element_size");
     INTERN(S_tensor_bytes, "_tensor_bytes");
+    INTERN(S_calls, "_calls");
+    INTERN(S_open, "_open");
+    INTERN(S_awaiting_grad, "_awaiting_grad");
+    INTERN(S_maybe_grad, "_maybe_grad");
+    INTERN(S_invocation, "_invocation");
+    INTERN(S_input, "input");
+    INTERN(S_output, "output");
 #undef INTERN
     return 0;
-}
-
-static void set_ref(PyObject **slot, PyObject *value) {
-    Py_XINCREF(value);
-    Py_XSETREF(*slot, value);
 }
 
 static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *names[] = {"types", "codes", "kernel", "soft_errors", "grad_enabled", "strided", "paired", "sure",
-                            "maybe", "none", "stats_bit", "tensor_bit", "python_bits", NULL};
-    PyObject *types, *codes, *kernel, *soft, *grad_enabled, *strided, *paired, *sure, *maybe, *none;
+                            "maybe", "none", "stats_bit", "tensor_bit", "python_bits", "forward_of", "maybe_trim",
+                            "maybe_kept", NULL};
+    PyObject *types, *codes, *kernel, *soft, *grad_enabled, *strided, *paired, *sure, *maybe, *none, *forward_of;
     long stats_bit, tensor_bit, python_bits;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOlll:configure", names, &PyTuple_Type, &types,
+    Py_ssize_t maybe_trim, maybe_kept;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOlllO!nn:configure", names, &PyTuple_Type, &types,
                                      &PyDict_Type, &codes, &kernel, &soft, &grad_enabled, &strided,
                                      &PyFrozenSet_Type, &paired, &sure, &maybe, &none, &stats_bit, &tensor_bit,
-                                     &python_bits))
+                                     &python_bits, &PyDict_Type, &forward_of, &maybe_trim, &maybe_kept))
         return NULL;
+    if (maybe_kept < 0 || maybe_trim < maybe_kept) {
+        PyErr_SetString(PyExc_ValueError, "configure: need 0 <= maybe_kept <= maybe_trim");
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
         if (!PyType_Check(PyTuple_GET_ITEM(types, i))) {
             PyErr_SetString(PyExc_TypeError, "configure: types must hold types");
@@ -115,13 +130,17 @@ static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs
     set_ref(&MAYBE, maybe);
     set_ref(&NONE_EXPECTED, none);
     set_ref(&STRIDED, strided);
+    set_ref(&FORWARD_OF, forward_of);
+    MAYBE_TRIM = maybe_trim;
+    MAYBE_KEPT = maybe_kept;
     STATS_BIT = stats_bit;
     TENSOR_BIT = tensor_bit;
     PYTHON_BITS = python_bits;
     Py_RETURN_NONE;
 }
 
-static int handled_type(PyObject *x) {
+int frow_handled_type(PyObject *x) {
+    if (!TYPES) return 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(TYPES); i++) {
         if ((PyObject *)Py_TYPE(x) == PyTuple_GET_ITEM(TYPES, i)) return 1;
     }
@@ -166,6 +185,124 @@ static PyObject *stats_of(PyObject *x, PyObject *dtype, PyObject *shape) {
     return stats;
 }
 
+/* A dict attribute of the log (a borrowed reference is not enough: the attribute may be replaced). */
+static PyObject *dict_attr(PyObject *log, PyObject *name) {
+    PyObject *d = PyObject_GetAttr(log, name);
+    if (d && !PyDict_Check(d)) {
+        PyErr_Format(PyExc_TypeError, "next_call: log.%U is not a dict", name);
+        Py_CLEAR(d);
+    }
+    return d;
+}
+
+/* waiting.pop() for a non-empty list: a new reference. */
+static PyObject *list_pop(PyObject *waiting) {
+    Py_ssize_t n = PyList_GET_SIZE(waiting);
+    PyObject *last = Py_NewRef(PyList_GET_ITEM(waiting, n - 1));
+    if (PyList_SetSlice(waiting, n - 1, n, NULL) < 0) Py_CLEAR(last);
+    return last;
+}
+
+/* Log._next_call(module, kind, path, expect), step for step (see picklehooks/log.py): the call of a
+ * new record. A new reference, or NULL with an error set. The one branch it doesn't spell out,
+ * pairing an input or output with its invocation, it leaves to log._invocation. */
+PyObject *frow_next_call(PyObject *log, PyObject *module, PyObject *kind, PyObject *path, PyObject *expect) {
+    PyObject *key = NULL, *calls = NULL, *count = NULL, *call = NULL, *next = NULL, *table = NULL, *list = NULL,
+             *open = NULL, *result = NULL;
+    PyObject *forward = PyDict_GetItemWithError(FORWARD_OF, kind); /* borrowed */
+    if (!forward && PyErr_Occurred()) return NULL;
+    if (forward) { /* a gradient: the latest forward call awaiting one, the sure ones first */
+        PyObject *fkey = PyTuple_Pack(3, module, forward, path);
+        if (!fkey) return NULL;
+        PyObject *names[2] = {S_awaiting_grad, S_maybe_grad};
+        for (int i = 0; i < 2 && !result; i++) {
+            PyObject *waiting_table = dict_attr(log, names[i]);
+            if (!waiting_table) break;
+            PyObject *waiting = PyDict_GetItemWithError(waiting_table, fkey); /* borrowed */
+            if (waiting && !PyList_Check(waiting)) {
+                PyErr_SetString(PyExc_TypeError, "next_call: a log's waiting calls are not a list");
+            } else if (waiting && PyList_GET_SIZE(waiting) > 0) {
+                result = list_pop(waiting);
+            }
+            Py_DECREF(waiting_table);
+            if (PyErr_Occurred()) break;
+        }
+        Py_DECREF(fkey);
+        if (result || PyErr_Occurred()) return result;
+    }
+    if (!(key = PyTuple_Pack(3, module, kind, path)) || !(calls = dict_attr(log, S_calls))) goto done;
+    count = PyDict_GetItemWithError(calls, key);
+    if (!count && PyErr_Occurred()) goto done;
+    count = count ? Py_NewRef(count) : PyLong_FromLong(0);
+    if (!count) goto done;
+    int invocation = 0;
+    if (PyUnicode_Check(kind) && PyUnicode_Compare(kind, S_input) == 0) {
+        invocation = 1;
+    } else if (PyUnicode_Check(kind) && PyUnicode_Compare(kind, S_output) == 0) {
+        if (!(open = PyObject_GetAttr(log, S_open)) || (invocation = PyObject_IsTrue(open)) < 0) goto done;
+    }
+    if (PyErr_Occurred()) goto done; /* (PyUnicode_Compare's) */
+    if (invocation) {
+        PyObject *args[5] = {log, module, kind, path, count};
+        if (!(call = PyObject_VectorcallMethod(S_invocation, args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)))
+            goto done;
+        int later = PyObject_RichCompareBool(call, count, Py_GE);
+        if (later < 0) goto done;
+        next = later ? PyNumber_Add(call, ONE) : Py_NewRef(count);
+    } else {
+        call = Py_NewRef(count);
+        next = PyNumber_Add(count, ONE);
+    }
+    if (!next || PyDict_SetItem(calls, key, next) < 0) goto done;
+    int expecting = PyObject_IsTrue(expect);
+    if (expecting < 0) goto done;
+    if (expecting) {
+        int sure = PyObject_RichCompareBool(expect, SURE, Py_EQ);
+        if (sure < 0 || !(table = dict_attr(log, sure ? S_awaiting_grad : S_maybe_grad))) goto done;
+        PyObject *waiting = PyDict_GetItemWithError(table, key); /* borrowed */
+        if (!waiting) {
+            if (PyErr_Occurred() || !(list = PyList_New(1))) goto done;
+            PyList_SET_ITEM(list, 0, Py_NewRef(call));
+            if (PyDict_SetItem(table, key, list) < 0) goto done;
+        } else {
+            if (!PyList_Check(waiting)) {
+                PyErr_SetString(PyExc_TypeError, "next_call: a log's waiting calls are not a list");
+                goto done;
+            }
+            if (PyList_Append(waiting, call) < 0) goto done;
+            Py_ssize_t n = PyList_GET_SIZE(waiting);
+            if (n > MAYBE_TRIM) { /* inference loops: no gradient ever comes */
+                int maybe = PyObject_RichCompareBool(expect, MAYBE, Py_EQ);
+                if (maybe < 0 || (maybe && PyList_SetSlice(waiting, 0, n - MAYBE_KEPT, NULL) < 0)) goto done;
+            }
+        }
+    }
+    result = Py_NewRef(call);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(calls);
+    Py_XDECREF(count);
+    Py_XDECREF(call);
+    Py_XDECREF(next);
+    Py_XDECREF(table);
+    Py_XDECREF(list);
+    Py_XDECREF(open);
+    return result;
+}
+
+static PyObject *frow_next_call_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "next_call(log, module, kind, path, expect) takes 5 arguments");
+        return NULL;
+    }
+    if (!FORWARD_OF) {
+        PyErr_SetString(PyExc_RuntimeError, "next_call: configure() was not called");
+        return NULL;
+    }
+    return frow_next_call(args[0], args[1], args[2], args[3], args[4]);
+}
+
 /* A copy of x as Log._add_tensor keeps it (detached, contiguous): a new reference; NULL without an
  * error set when not handled here (not strided). */
 static PyObject *copy_of(PyObject *x, int requires_grad) {
@@ -184,18 +321,10 @@ static PyObject *copy_of(PyObject *x, int requires_grad) {
     return copy;
 }
 
-static PyObject *frow_add_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "add_row(log, module, kind, path, x, flags) takes 6 arguments");
-        return NULL;
-    }
-    PyObject *log = args[0], *module = args[1], *kind = args[2], *path = args[3], *x = args[4];
-    long flags = PyLong_AsLong(args[5]);
-    if (flags == -1 && PyErr_Occurred()) return NULL;
+PyObject *frow_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject *path, PyObject *x, long flags) {
     int want_stats = (flags & STATS_BIT) != 0, want_copy = (flags & TENSOR_BIT) != 0;
     /* Exactly one of statistics and a copy; both (mode="both") take the Python path. */
-    if (!TYPES || want_stats == want_copy || (flags & PYTHON_BITS) || !handled_type(x)) Py_RETURN_FALSE;
+    if (!TYPES || want_stats == want_copy || (flags & PYTHON_BITS) || !frow_handled_type(x)) Py_RETURN_FALSE;
 
     PyObject *dtype = NULL, *shape = NULL, *flag = NULL, *stats = NULL, *copy = NULL, *call = NULL, *step = NULL,
              *rows = NULL, *row = NULL, *nbytes = NULL, *result = NULL;
@@ -230,8 +359,7 @@ static PyObject *frow_add_row(PyObject *self, PyObject *const *args, Py_ssize_t 
         if (!(flag = PyObject_CallNoArgs(GRAD_ENABLED))) goto done;
         expect = flag == Py_True ? NONE_EXPECTED : MAYBE;
     }
-    PyObject *call_args[5] = {log, module, kind, path, expect};
-    if (!(call = PyObject_VectorcallMethod(S_next_call, call_args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) ||
+    if (!(call = frow_next_call(log, module, kind, path, expect)) ||
         !(step = PyObject_GetAttr(log, S_step)) || !(rows = PyObject_GetAttr(log, S_rows)))
         goto done;
     if (!PyList_Check(rows)) {
@@ -269,22 +397,37 @@ done:
     return result;
 }
 
+static PyObject *frow_add_row_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "add_row(log, module, kind, path, x, flags) takes 6 arguments");
+        return NULL;
+    }
+    long flags = PyLong_AsLong(args[5]);
+    if (flags == -1 && PyErr_Occurred()) return NULL;
+    return frow_add_row(args[0], args[1], args[2], args[3], args[4], flags);
+}
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))frow_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, types, codes, kernel, soft_errors, grad_enabled, strided, paired, sure, maybe, none,\n"
      "          stats_bit, tensor_bit, python_bits): what add_row checks and writes (see the module's source)."},
-    {"add_row", (PyCFunction)(void (*)(void))frow_add_row, METH_FASTCALL,
+    {"add_row", (PyCFunction)(void (*)(void))frow_add_row_py, METH_FASTCALL,
      "add_row(log, module, kind, path, x, flags) -> bool: record x's statistics or a copy of it as\n"
      "Log._add_tensor would, or return False having done nothing."},
+    {"next_call", (PyCFunction)(void (*)(void))frow_next_call_py, METH_FASTCALL,
+     "next_call(log, module, kind, path, expect) -> int: Log._next_call, in C (what add_row numbers with)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_frow", "The eager record lane of picklehooks.log; see picklehooks._native.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_frow", "The eager record and hook lanes of picklehooks.log and picklehooks._hookrt; see picklehooks._native.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__frow(void) {
-    if (intern_names() < 0) return NULL;
-    return PyModule_Create(&module);
+    if (intern_names() < 0 || !(ONE = PyLong_FromLong(1))) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddFunctions(m, fhook_methods) < 0 || fhook_add_types(m) < 0)) Py_CLEAR(m);
+    return m;
 }

@@ -107,8 +107,17 @@ def _first_tensor(values) -> int | None:
     return next((i for i, v in enumerate(values) if isinstance(v, _TENSORLIKE)), None)
 
 
-class _GradRecorder:
-    """Tensor hook of the eager path: hands a gradient to the log."""
+def _record_grad(name: str, kind: str, path: str, flags: int, grad: torch.Tensor) -> None:
+    """What the eager path's tensor hook does with a gradient: check it (a guard), hand it to the log."""
+    if flags & _ops.GUARD:
+        _ops.check_finite(grad, name, kind, path, from_autograd=True)
+    log = _state.active(from_autograd=True)
+    if log is not None and flags & _ops.GRAD:
+        _ops.record_tensor(log, name, kind, path, grad, flags)  # a DTensor: its shard
+
+
+class _PyGradRecorder:
+    """Tensor hook of the eager path: hands a gradient to the log (:func:`_record_grad`)."""
 
     __slots__ = ("name", "kind", "path", "flags")
 
@@ -116,11 +125,16 @@ class _GradRecorder:
         self.name, self.kind, self.path, self.flags = name, kind, path, flags
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if self.flags & _ops.GUARD:
-            _ops.check_finite(grad, self.name, self.kind, self.path, from_autograd=True)
-        log = _state.active(from_autograd=True)
-        if log is not None and self.flags & _ops.GRAD:
-            _ops.record_tensor(log, self.name, self.kind, self.path, grad, self.flags)  # a DTensor: its shard
+        _record_grad(self.name, self.kind, self.path, self.flags, grad)
+
+
+# The C hook lane (picklehooks/_fhook.c): forward()'s eager body for an output that needs no
+# gradient hook, and a GradRecorder that records a plain gradient in this context itself and
+# leaves the rest to _record_grad. None, and the Python recorder, where the extension is off.
+_lanes = _native.hook_lane(recording=_state._ANYWHERE, active=_state._ACTIVE, graph_task_id=_graph_task_id,
+                           name_attr="_picklehooks_name", fallback=_record_grad, value_bit=_ops.VALUE,
+                           grad_bit=_ops.GRAD, guard_bit=_ops.GUARD)
+_forward_lane, _GradRecorder = _lanes if _lanes is not None else (None, _PyGradRecorder)
 
 
 class _Alias(torch.autograd.Function):
@@ -413,6 +427,8 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     """
     if _is_compiling() or _FX_SYMBOLIC() or _is_jit_tracing():  # _tracing(); first, as in skip()
         return tap_tree(output, _name_of(module), "output", "", flags, inputs)
+    if _forward_lane is not None and _forward_lane(module, output, flags) is None:
+        return None  # done in C: idle, or recorded (see picklehooks/_fhook.c)
     if not (_RECORDING or flags & _GUARD):  # skip(), the rest of it
         return None
     if type(output) is not torch.Tensor:

@@ -216,7 +216,8 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
 _PAIRED = frozenset(_FORWARD_OF.values())
 # Log._add_tensor's common cases in one C call (see picklehooks._native.row_lane), or None.
 _add_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS, tensor_bit=TENSOR,
-                            python_bits=GRAD_SURE | GRAD_NONE)
+                            python_bits=GRAD_SURE | GRAD_NONE, forward_of=_FORWARD_OF, maybe_trim=_MAYBE_TRIM,
+                            maybe_kept=_MAYBE_KEPT)
 # Layouts recorded as their dense values (Log._add_tensor); torch.strided and nested tensors are as they are.
 _DENSIFIED = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc,
                         torch._mkldnn})

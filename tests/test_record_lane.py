@@ -13,13 +13,16 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import picklehooks.log as log_module
-from picklehooks import _ops
+from picklehooks import _native, _ops
 from picklehooks.log import Log
 
 pytestmark = pytest.mark.skipif(log_module._add_row is None,
                                 reason="picklehooks._frow is not built here, or PICKLEHOOKS_NATIVE=0")
+_frow = _native._frow
 
 STATS = _ops.VALUE | _ops.STATS
 COPY = _ops.VALUE | _ops.TENSOR  # mode="tensor"
@@ -192,11 +195,55 @@ def test_other_records_go_to_the_python_path(monkeypatch, flags, keep_graph):
 def test_an_error_in_numbering_propagates():
     """A failure past the checks is the caller's to see, not a silent 'not handled'."""
     class Broken(Log):
-        def _next_call(self, *args):
+        def _invocation(self, *args):
             raise KeyError("broken numbering")
 
+    broken = Broken()
+    broken._open["m"] = []  # outputs pair with invocations: _invocation is asked
     with pytest.raises(KeyError, match="broken numbering"):
-        log_module._add_row(Broken(), "m", "output", "0", torch.randn(3), STATS)
+        log_module._add_row(broken, "m", "output", "0", torch.randn(3), STATS)
+    assert not broken._rows
+    replaced = Log()
+    replaced._calls = []
+    with pytest.raises(TypeError, match="_calls is not a dict"):
+        log_module._add_row(replaced, "m", "output", "0", torch.randn(3), STATS)
+
+
+# -- numbering: the lane's next_call (C) against Log._next_call (Python) --------------------------
+
+KINDS = ["input", "output", "grad_input", "grad_output", "param", "param_grad", "buffer"]
+EXPECT = [0, log_module._SURE, log_module._MAYBE]
+numbering_ops = st.lists(st.tuples(st.sampled_from(["m", "n"]), st.sampled_from(KINDS),
+                                   st.sampled_from(["", "0", "1"]), st.sampled_from(EXPECT)), max_size=80)
+
+
+def numbering_state(log: Log) -> tuple:
+    return (log._calls, log._open, log._closing, log._awaiting_grad, log._maybe_grad)
+
+
+@given(numbering_ops)
+@settings(max_examples=300, deadline=None)
+def test_next_call_numbers_as_the_python_method_does(ops):
+    """Any sequence of records (inputs opening invocations, outputs closing them, gradients popping
+    the calls awaiting one) gets the same call numbers and leaves the same state either way."""
+    c_log, py_log = Log(), Log()
+    for module, kind, path, expect in ops:
+        got = _frow.next_call(c_log, module, kind, path, expect)
+        want = py_log._next_call(module, kind, path, expect)
+        assert got == want and type(got) is int
+        assert numbering_state(c_log) == numbering_state(py_log)
+
+
+def test_next_call_trims_calls_that_may_never_get_a_gradient():
+    """Inference loops under no_grad: a MAYBE list is cut back to its last calls, as in Python."""
+    c_log, py_log = Log(), Log()
+    for _ in range(log_module._MAYBE_TRIM + 5):
+        for log, number in ((c_log, _frow.next_call), (py_log, Log._next_call)):
+            number(log, "m", "output", "", log_module._MAYBE)
+            number(log, "m", "param", "w", log_module._SURE)  # SURE lists are never cut
+    assert numbering_state(c_log) == numbering_state(py_log)
+    assert len(c_log._maybe_grad[("m", "output", "")]) <= log_module._MAYBE_TRIM
+    assert len(c_log._awaiting_grad[("m", "param", "w")]) == log_module._MAYBE_TRIM + 5
 
 
 def test_the_lane_is_off_with_the_extensions():

@@ -67,13 +67,24 @@ def transformed(model, backend: str, inputs: tuple):
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def use_python_lanes(monkeypatch) -> None:
+    """Switch off the C lanes (picklehooks/_frow.c's row lane, picklehooks/_fhook.c's hook lane):
+    records go through ``_hookrt`` and ``Log._add_tensor`` in Python, still with the native statistics."""
+    import picklehooks.log
+    from picklehooks import _hookrt
+
+    monkeypatch.setattr(picklehooks.log, "_add_row", None)
+    monkeypatch.setattr(_hookrt, "_forward_lane", None)
+    monkeypatch.setattr(_hookrt, "_GradRecorder", _hookrt._PyGradRecorder)
+
+
 def use_pytorch_stats(monkeypatch) -> None:
     """Make logs take the PyTorch fallback (copies reduced in batches), as on a machine without
-    the native extensions or with ``PICKLEHOOKS_NATIVE=0``: no native pass, no C record lane."""
+    the native extensions or with ``PICKLEHOOKS_NATIVE=0``: no native pass, no C lanes."""
     import picklehooks.log
 
     monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
-    monkeypatch.setattr(picklehooks.log, "_add_row", None)
+    use_python_lanes(monkeypatch)
 
 
 def plain_stats(t: torch.Tensor) -> dict:

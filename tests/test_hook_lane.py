@@ -1,0 +1,221 @@
+"""The C hook lane (picklehooks/_fhook.c) records what ``_hookrt``'s Python records.
+
+Each scenario runs twice on deep copies of one instrumented model: with the
+lanes (the default) and with them switched off (``use_python_lanes``: the
+Python hook runtime and ``Log._add_tensor``, the same native statistics).
+The rows, call numbers and gradient bookkeeping must be the same, and so
+must errors. ``tests/test_faithful_*`` hold the default (lane) path to plain
+PyTorch; one test here does too, for the cases only this lane takes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import picklehooks
+from picklehooks import _hookrt, _ops
+from picklehooks.log import Log
+from tests.test_record_lane import assert_same_logs
+from tests.testutils import plain_stats, use_python_lanes
+
+pytestmark = pytest.mark.skipif(_hookrt._forward_lane is None,
+                                reason="picklehooks._frow is not built here, or PICKLEHOOKS_NATIVE=0")
+
+
+class Block(torch.nn.Module):
+    """Linear + LayerNorm + GELU, a module called twice, one returning a tuple, one returning its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.act = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()
+        self.same = torch.nn.Identity()
+        self.split = Split()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.norm(self.lin(x)))
+        h = self.act(h) + self.same(h)
+        a, b = self.split(h)
+        return a * b
+
+
+class Split(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[:, :4], x[:, 4:]
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.head = Block(), torch.nn.Linear(4, 2)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.inner, x, use_reentrant=self.use_reentrant))
+
+
+def run(model: torch.nn.Module, x: torch.Tensor, backward: bool, log: Log | None = None) -> Log:
+    with picklehooks.record(log=log) as log:
+        if backward:
+            model(x).pow(2).sum().backward()
+        else:
+            with torch.no_grad():
+                model(x)
+                model(x)
+    return log
+
+
+def both_ways(monkeypatch, make, instrument_kwargs: dict, backward: bool, log_kwargs: dict | None = None):
+    torch.manual_seed(0)
+    model = make()
+    picklehooks.instrument(model, **instrument_kwargs)
+    x = torch.randn(3, 8, requires_grad=backward)
+    lane_model, python_model = copy.deepcopy(model), copy.deepcopy(model)
+    with_lane = run(lane_model, x, backward, Log(**(log_kwargs or {})))
+    with monkeypatch.context() as patch:
+        use_python_lanes(patch)
+        without = run(python_model, x, backward, Log(**(log_kwargs or {})))
+    return with_lane, without
+
+
+SCENARIOS = {
+    "stats": {},
+    "tensor": {"mode": "tensor"},
+    "both": {"mode": "both"},
+    "inputs and params": {"capture": ["input", "output", "param", "grad_output", "grad_input", "param_grad"]},
+    "outputs only": {"capture": "output"},
+    "guard": {"on_nonfinite": "raise"},
+}
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_the_lane_records_what_python_records(monkeypatch, scenario, backward):
+    a, b = both_ways(monkeypatch, Block, SCENARIOS[scenario], backward)
+    assert len(a._rows) > 0
+    assert_same_logs(a, b)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpoints_recomputation_records_as_in_python(monkeypatch, use_reentrant):
+    a, b = both_ways(monkeypatch, lambda: Checkpointed(use_reentrant), {}, True)
+    assert {r[1] for r in a._rows} == {"output", "grad_output"}
+    assert_same_logs(a, b)
+
+
+def test_a_log_keeping_live_values_records_as_in_python(monkeypatch):
+    a, b = both_ways(monkeypatch, Block, {}, True, {"keep_graph": True})
+    assert all(row[10] is not None for row in a._rows if row[1] == "output")
+    assert [r[:8] for r in a._rows] == [r[:8] for r in b._rows]
+
+
+def test_recorded_statistics_are_those_of_plain_hooks():
+    """Ground truth for what only the lane takes (plain tensor outputs, plain gradients): float64
+    statistics of clones taken by plain hooks on an un-instrumented copy."""
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(3, 8)
+    plain = copy.deepcopy(model)
+    want = {}
+    for name in ("lin", "norm"):
+        def post(m, i, o, name=name):
+            want[(name, "output")] = o.detach().clone()
+            o.register_hook(lambda g: want.__setitem__((name, "grad_output"), g.clone()))
+        getattr(plain, name).register_forward_hook(post)
+    plain(x).pow(2).sum().backward()
+    picklehooks.instrument(model, modules=["lin", "norm"])
+    with picklehooks.record() as log:
+        model(x).pow(2).sum().backward()
+    got = {(r.module, r.kind): r.stats for r in log.records}
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        ref = plain_stats(value)
+        for stat, v in ref.items():
+            assert got[key][stat] == pytest.approx(v, rel=1e-6, abs=1e-12), (key, stat)
+
+
+def test_nonfinite_values_raise_as_in_python(monkeypatch):
+    """A guard is Python's: the lane hands it over, forward and backward alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    picklehooks.instrument(model, on_nonfinite="raise")
+    bad = torch.full((2, 4), float("nan"))
+    for lanes in (True, False):
+        with monkeypatch.context() as patch:
+            if not lanes:
+                use_python_lanes(patch)
+            with pytest.raises(_ops.NonfiniteError, match="non-finite output in module '0'"):
+                model(bad)
+
+
+def test_forward_lane_declines_what_it_does_not_take():
+    """NotImplemented, with nothing recorded or counted, for every case the Python body handles."""
+    lane = _hookrt._forward_lane
+    module = torch.nn.GELU()
+    module._picklehooks_name = "g"
+    unnamed = torch.nn.GELU()
+    x = torch.randn(2, 3)
+    value = _ops.VALUE | _ops.STATS
+    with picklehooks.record() as log:
+        cases = {
+            "a tuple": (module, (x,), value),
+            "a subclass": (module, x.as_subclass(torch.nn.Parameter), value),
+            "a guard": (module, x, value | _ops.GUARD),
+            "no value asked for": (module, x, _ops.GRAD | _ops.STATS),
+            "a gradient hook needed": (module, x.clone().requires_grad_(), value | _ops.GRAD),
+            "no name": (unnamed, x, value),
+        }
+        for case, args in cases.items():
+            assert lane(*args) is NotImplemented, case
+        assert not log._rows and not log._calls
+        # What it takes: recorded once, numbered once.
+        assert lane(module, x, value) is None
+        assert [(r[0], r[1], r[3]) for r in log._rows] == [("g", "output", 0)]
+    # Nothing records: done at once, nothing recorded anywhere.
+    assert lane(module, x, value) is None
+    assert len(log._rows) == 1
+
+
+def test_forward_lane_records_nothing_for_a_thread_that_does_not_record():
+    """Another thread's log records; this thread's outputs aren't its."""
+    module = torch.nn.GELU()
+    module._picklehooks_name = "g"
+    started, done = threading.Event(), threading.Event()
+    logs = []
+
+    def recorder():
+        with picklehooks.record() as log:
+            logs.append(log)
+            started.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=recorder)
+    thread.start()
+    try:
+        assert started.wait(30)
+        assert _hookrt._forward_lane(module, torch.randn(2), _ops.VALUE | _ops.STATS) is None
+    finally:
+        done.set()
+        thread.join()
+    assert not logs[0]._rows
+
+
+def test_grad_recorder_checks_its_arguments_and_hands_over_the_rest():
+    recorder = _hookrt._GradRecorder("m", "grad_output", "", _ops.GRAD | _ops.STATS)
+    assert (recorder.name, recorder.kind, recorder.path, recorder.flags) == ("m", "grad_output", "",
+                                                                              _ops.GRAD | _ops.STATS)
+    with pytest.raises(TypeError):
+        recorder()
+    with pytest.raises(TypeError):
+        recorder(torch.randn(2), torch.randn(2))
+    with pytest.raises(TypeError):
+        _hookrt._GradRecorder("m", "grad_output", "", "7")
+    recorder(torch.randn(2))  # no log records: nothing happens, nothing raises
+    with picklehooks.record() as log:
+        recorder(torch.randn(2).as_subclass(torch.nn.Parameter))  # not a plain tensor: Python's path
+        recorder(torch.randn(3))
+    assert [(r.module, r.kind, r.shape) for r in log.records] == [("m", "grad_output", (2,)),
+                                                                   ("m", "grad_output", (3,))]
