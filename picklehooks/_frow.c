@@ -24,7 +24,7 @@
  * When handled, the order is: the statistics or the copy (detached if x
  * requires grad; clone() if contiguous, else contiguous()), then the call
  * number from next_call(log, module, kind, path, expect), then, for a copy,
- * log._tensor_bytes += x.numel() * x.element_size(), then the row
+ * log._tensor_bytes += x.nbytes, then the row
  *   (module, kind, path, call, log.step, x.shape, x.dtype, stats or None,
  *    None, copy or None, None)
  * appended to log._rows: exactly the tuple Log._add_tensor appends.
@@ -57,8 +57,8 @@ static Py_ssize_t MAYBE_TRIM, MAYBE_KEPT; /* a MAYBE list longer than TRIM keeps
 static long STATS_BIT, TENSOR_BIT, PYTHON_BITS;
 
 static PyObject *S_keep_graph, *S_dtype, *S_is_cpu, *S_is_neg, *S_data_ptr, *S_shape, *S_stride,
-    *S_rows, *S_step, *S_requires_grad, *S_layout, *S_detach, *S_is_contiguous, *S_clone, *S_contiguous, *S_numel,
-    *S_element_size, *S_tensor_bytes, *S_calls, *S_open, *S_awaiting_grad, *S_maybe_grad, *S_invocation,
+    *S_rows, *S_step, *S_requires_grad, *S_layout, *S_detach, *S_is_contiguous, *S_clone, *S_contiguous, *S_nbytes,
+    *S_tensor_bytes, *S_calls, *S_open, *S_awaiting_grad, *S_maybe_grad, *S_invocation,
     *S_input, *S_output;
 
 static int intern_names(void) {
@@ -78,8 +78,7 @@ static int intern_names(void) {
     INTERN(S_is_contiguous, "is_contiguous");
     INTERN(S_clone, "clone");
     INTERN(S_contiguous, "contiguous");
-    INTERN(S_numel, "numel");
-    INTERN(S_element_size, "element_size");
+    INTERN(S_nbytes, "nbytes");
     INTERN(S_tensor_bytes, "_tensor_bytes");
     INTERN(S_calls, "_calls");
     INTERN(S_open, "_open");
@@ -366,14 +365,10 @@ PyObject *frow_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject
         PyErr_SetString(PyExc_TypeError, "add_row: log._rows is not a list");
         goto done;
     }
-    if (copy) { /* log._tensor_bytes += x.numel() * x.element_size() */
-        PyObject *numel = PyObject_CallMethodNoArgs(x, S_numel);
-        PyObject *size = numel ? PyObject_CallMethodNoArgs(x, S_element_size) : NULL;
-        PyObject *bytes = size ? PyNumber_Multiply(numel, size) : NULL;
+    if (copy) { /* log._tensor_bytes += x.nbytes */
+        PyObject *bytes = PyObject_GetAttr(x, S_nbytes);
         PyObject *total = bytes ? PyObject_GetAttr(log, S_tensor_bytes) : NULL;
         nbytes = total ? PyNumber_Add(total, bytes) : NULL;
-        Py_XDECREF(numel);
-        Py_XDECREF(size);
         Py_XDECREF(bytes);
         Py_XDECREF(total);
         if (!nbytes || PyObject_SetAttr(log, S_tensor_bytes, nbytes) < 0) goto done;

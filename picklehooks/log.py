@@ -468,7 +468,7 @@ class Log:
             value = x.detach() if x.requires_grad else x
             tensor = value.clone() if value.is_contiguous() else value.contiguous()
         if tensor is not None:
-            self._tensor_bytes += x.numel() * x.element_size()
+            self._tensor_bytes += x.nbytes
         self._rows.append((module, kind, path, call, self.step, x.shape, x.dtype, stats, src, tensor, live))
 
     def _add_stats(self, module: str, kind: str, path: str, stats: torch.Tensor, flags: int, shape: tuple,

@@ -1,0 +1,98 @@
+"""The ``tap`` op's autograd formula calls its kernels directly where nothing traces.
+
+``_TapFunction`` (what TorchScript's gradient taps run at the Autograd key)
+skips re-dispatching ``tap`` and ``tap_grad`` for a plain tensor with no
+dispatch mode and no ``jit.trace`` (``picklehooks._ops._runs_as_is``), about
+2.5 µs per call each way. Records must be those of the dispatcher's path,
+gradients those of the un-instrumented model, and every tracer must still
+see the ops themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import picklehooks
+from picklehooks import _ops
+
+
+def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    return model, torch.randn(4, 6)
+
+
+def scripted_records(monkeypatch, shortcut: bool, mode: str):
+    model, x = mlp()
+    plain = copy.deepcopy(model)
+    picklehooks.instrument(model, mode=mode, scriptable=True, example_inputs=(x,))
+    scripted = torch.jit.script(model)
+    with monkeypatch.context() as patch:
+        if not shortcut:
+            patch.setattr(_ops, "_runs_as_is", lambda x: False)
+        with picklehooks.record() as log:
+            scripted(x).pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    for (name, p), q in zip(scripted.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    return log
+
+
+@pytest.mark.parametrize("mode", ["stats", "tensor"])
+def test_scripted_records_are_those_of_the_dispatchers_path(monkeypatch, mode):
+    direct, dispatched = scripted_records(monkeypatch, True, mode), scripted_records(monkeypatch, False, mode)
+    assert [r.key for r in direct.records] == [r.key for r in dispatched.records]
+    assert {r.kind for r in direct.records} == {"output", "grad_output"}
+    for a, b in zip(direct.records, dispatched.records):
+        if mode == "tensor":
+            torch.testing.assert_close(a.tensor, b.tensor, rtol=0, atol=0)
+        else:
+            assert a.stats == b.stats
+
+
+def test_the_shortcut_is_taken_for_plain_tensors_and_nowhere_else():
+    x = torch.randn(3)
+    assert _ops._runs_as_is(x)
+    assert _ops._runs_as_is(torch.nn.Parameter(x))
+    assert not _ops._runs_as_is(x.as_subclass(_Sub))
+    assert not _ops._runs_as_is(torch.empty(3, device="meta"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert not _ops._runs_as_is(torch.empty(3))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_tracers_still_see_tap_and_tap_grad(tracing_mode):
+    """make_fx traces the joint forward and backward through the Autograd key: the graph must hold
+    the ops (a direct kernel call would leave aten.clone and record at trace time instead)."""
+    flags = _ops.VALUE | _ops.GRAD | _ops.STATS
+
+    def joint(x):
+        y = torch.ops.picklehooks.tap(x * 2, "m", "output", "", flags)
+        return torch.autograd.grad(y.sum(), x)
+
+    with picklehooks.record() as log:
+        graph = make_fx(joint, tracing_mode=tracing_mode)(torch.randn(3, requires_grad=True))
+    targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
+    assert torch.ops.picklehooks.tap.default in targets
+    assert torch.ops.picklehooks.tap_grad.default in targets
+    if tracing_mode == "fake":
+        assert len(log) == 0  # fake values are never recorded
+
+
+def test_jit_trace_still_records_the_tap_op():
+    flags = _ops.GRAD | _ops.STATS
+
+    def fn(x):
+        return torch.ops.picklehooks.tap(x * 2, "m", "output", "", flags).sum()
+
+    traced = torch.jit.trace(fn, (torch.randn(3, requires_grad=True),))
+    assert "picklehooks::tap" in str(traced.graph)
