@@ -251,6 +251,9 @@ def range_exit(name: str) -> None:
 
 
 
+_active_log = _state._ACTIVE.get  # _state.active() outside autograd's threads
+
+
 def _deliver(x: torch.Tensor, module: str, kind: str, path: str, flags: int, *, from_autograd: bool = False) -> None:
     log = _state.active(from_autograd=from_autograd)
     if log is not None:
@@ -362,7 +365,9 @@ def _define_ops() -> None:
 
 
 def _record_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> None:
-    _deliver(x, module, kind, path, flags)
+    log = _active_log()  # _deliver(), inlined: every value a graph or scripted hook records comes here
+    if log is not None:
+        log._add_tensor(module, kind, path, x, flags)
 
 
 def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str, flags: int, shape: list,
