@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 import picklehooks
-from picklehooks import _hookrt, _native
+from picklehooks import _hookrt, _native, _ops
 from picklehooks import log as _log
 
 def main() -> None:
@@ -129,6 +129,7 @@ def main() -> None:
     for name, samples in times.items():
         print(f"| {name} | {statistics.median(samples):.2f} |")
     lane_in_a_model(rounds)
+    ops_from_torchscript(rounds, calls)
 
 
 def lane_in_a_model(rounds: int) -> None:
@@ -199,6 +200,69 @@ def lane_in_a_model(rounds: int) -> None:
         cells = " | ".join(f"{(statistics.median(samples[name]) - base) / records:.2f}"
                            for name in ("stats python", "stats lane", "tensor python", "tensor lane"))
         print(f"| {'forward+backward' if backward else 'forward (no_grad)'} | {cells} |")
+
+
+def ops_from_torchscript(rounds: int, calls: int) -> None:
+    """What one call of picklehooks' ops costs from TorchScript, against a ``torch.library.custom_op``
+    doing the same (the kind of op the issue measured at 13.5 µs) and against no op at all."""
+    x = torch.randn(32, 256)
+    x_grad = torch.randn(32, 256, requires_grad=True)
+
+    # A custom op must return something for TorchScript to keep it: a copy, as the old tap did.
+    @torch.library.custom_op("picklehooks_bench::record_copy", mutates_args=())
+    def custom_record_copy(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:
+        _ops._record_kernel(x, module, kind, path, flags)
+        return x.clone()
+
+    def script(body: str):
+        return torch.jit.CompilationUnit(f"def fn(x: Tensor) -> Tensor:\n    {body}\n    return x\n").fn
+
+    value = _ops.VALUE | _ops.STATS
+    tap = _ops.GRAD | _ops.STATS | _ops.COUNTED  # what a scripted hook's tap passes: the gradient only
+    functions = {
+        "an empty scripted function (reference)": (script("pass"), x),
+        "active (what an idle scripted hook asks)": (script("torch.ops.picklehooks.active(7)"), x),
+        "record, while nothing records": (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})"), x),
+        "record, recording statistics": (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})"), x),
+        "x.clone() (reference)": (script("x = x.clone()"), x_grad),
+        "record, recording statistics, then x.clone()":
+            (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})\n    x = x.clone()"), x),
+        "the same in one torch.library.custom_op, recording":
+            (script(f"x = torch.ops.picklehooks_bench.record_copy(x, 'm', 'output', '', {value})"), x),
+        "tap, on a value that requires grad (forward)":
+            (script(f"x = torch.ops.picklehooks.tap(x, 'm', 'output', '', {tap})"), x_grad),
+    }
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    gc.disable()
+    try:
+        for r in range(rounds):
+            names = list(functions)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                fn, arg = functions[name]
+                with picklehooks.record() if "recording" in name else _nothing() as log:
+                    t0 = time.thread_time()
+                    for _ in range(calls):
+                        fn(arg)
+                    times[name].append((time.thread_time() - t0) / calls * 1e6)
+                if log is not None:
+                    log._records.clear()
+                    log._rows.clear()
+    finally:
+        gc.enable()
+    print(f"\nOne op call from TorchScript ({rounds} interleaved rounds of {calls} calls; one 32 x 256 float32 "
+          "value; µs per call of the scripted function, median thread time).\n")
+    print("| scripted function calls | µs per call |")
+    print("| :--- | ---: |")
+    for name, samples in times.items():
+        print(f"| {name} | {statistics.median(samples):.2f} |")
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 if __name__ == "__main__":
