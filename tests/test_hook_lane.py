@@ -219,3 +219,25 @@ def test_grad_recorder_checks_its_arguments_and_hands_over_the_rest():
         recorder(torch.randn(3))
     assert [(r.module, r.kind, r.shape) for r in log.records] == [("m", "grad_output", (2,)),
                                                                    ("m", "grad_output", (3,))]
+
+
+def test_errors_in_recording_reach_the_caller(monkeypatch):
+    """A failure inside the log is the model's caller's to see, from the forward lane and the recorder alike."""
+    module = torch.nn.GELU()
+    module._picklehooks_name = "g"
+
+    def broken(self, *args):
+        raise KeyError("broken log")
+
+    x = torch.randn(2, 3)
+    with picklehooks.record() as log:
+        monkeypatch.setattr(Log, "_add_tensor", broken)
+        monkeypatch.setattr(log, "keep_graph", True)  # the row lane declines: Log._add_tensor is called
+        with pytest.raises(KeyError, match="broken log"):
+            _hookrt._forward_lane(module, x, _ops.VALUE | _ops.STATS)
+        with pytest.raises(KeyError, match="broken log"):
+            _hookrt._GradRecorder("g", "grad_output", "", _ops.GRAD | _ops.STATS)(x)
+        monkeypatch.setattr(log, "_calls", None)  # numbering fails inside the row lane itself
+        monkeypatch.setattr(log, "keep_graph", False)
+        with pytest.raises(TypeError, match="_calls is not a dict"):
+            _hookrt._forward_lane(module, x, _ops.VALUE | _ops.STATS)
