@@ -472,7 +472,8 @@ def _import_from(target: Path) -> list[str]:
         sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
         import torch, picklehooks, picklehooks._native as n
         assert picklehooks.__file__.startswith(sys.argv[1]), picklehooks.__file__
-        print(n.AVAILABLE, n.stats(torch.tensor([1.0, 3.0])))
+        s = n.stats(torch.tensor([1.0, 3.0]))
+        print(n.AVAILABLE, s if s is None else tuple(s))
     """
     env = {k: v for k, v in os.environ.items() if k != "PICKLEHOOKS_NATIVE"}
     env["PYTHONPATH"] = str(target)
@@ -501,3 +502,55 @@ def test_installs_with_the_extension_where_there_is_a_compiler(tmp_path):
     # [1, 3]: mean 2, std 1, min 1, max 3, absmax 3, norm sqrt(10), no NaN/Inf/zeros
     assert available == "True"
     assert_matches(ast.literal_eval(result), [2.0, 1.0, 1.0, 3.0, 3.0, math.sqrt(10), 0.0, 0.0, 0.0])
+
+
+# -- Stats: the one object the kernel returns ------------------------------------------------------
+
+@needs_native
+def test_stats_object_behaves_as_the_tuple_of_its_floats():
+    import copy
+    import pickle
+    import pickletools
+
+    x = torch.tensor([1.0, 3.0, 0.0, -2.0])
+    s = _native.stats(x)
+    want = tuple(tensor_stats(x))
+    assert len(s) == 9 and tuple(s) == pytest.approx(want, rel=1e-12)
+    assert s == tuple(s) and tuple(s) == s and s == s and not (s != tuple(s))
+    assert s[0] == s[-9] and s[8] == s[-1] and s[2:4] == tuple(s)[2:4] and list(s) == list(tuple(s))
+    assert all(type(v) is float for v in s)
+    with pytest.raises(IndexError):
+        s[9]
+    with pytest.raises(IndexError):
+        s[-10]
+    with pytest.raises(TypeError):
+        hash(s)
+    with pytest.raises(TypeError):
+        s[0] = 1.0
+    assert repr(s) == f"Stats{tuple(s)!r}"
+    assert dict(zip(STAT_NAMES, s)) == dict(zip(STAT_NAMES, tuple(s)))
+    # Saved and copied as a plain tuple: nothing saved refers to the extension.
+    blob = pickle.dumps(s)
+    assert b"_fstats" not in blob and "Stats" not in str(list(pickletools.genops(blob)))
+    for copied in (pickle.loads(blob), copy.copy(s), copy.deepcopy(s)):
+        assert type(copied) is tuple and copied == tuple(s)
+    nan = _native.stats(torch.tensor([1.0, float("nan")]))
+    assert nan == nan and nan != _native.stats(torch.tensor([1.0, float("nan")]))  # as tuples of floats compare
+
+
+@needs_native
+def test_records_holding_unread_stats_pickle_without_the_extension():
+    """A Record keeps its Stats until read; pickled before that, the file names no extension type."""
+    import pickle
+
+    import picklehooks
+
+    model = torch.nn.Linear(3, 2)
+    picklehooks.instrument(model, modules=[""])
+    with picklehooks.record() as log:
+        model(torch.randn(4, 3))
+    record = log.records[0]
+    assert type(record._src).__name__ == "Stats"  # not read yet
+    blob = pickle.dumps(record)
+    assert b"_fstats" not in blob
+    assert pickle.loads(blob).stats == record.stats
