@@ -28,9 +28,9 @@
  *   (module, kind, path, call, log.step, x.shape, x.dtype, stats or None,
  *    None, copy or None, None)
  * appended to log._rows: exactly the tuple Log._add_tensor appends.
- * expect is picklehooks.log._expects_grad for a value without tracing's
- * flags: for a kind in the paired set, SURE if x requires grad, else 0 with
- * grad mode on or the eager bit set, MAYBE otherwise; 0 for other kinds. The Python side (picklehooks/_native.py
+ * expect is picklehooks.log._expects_grad for an eager value: for a kind in
+ * the paired set, SURE if x requires grad, else 0 with grad mode on and MAYBE
+ * with it off; 0 for other kinds. The Python side (picklehooks/_native.py
  * for the tensor, picklehooks/log.py for the row) passes every name and
  * constant to configure(), so none is spelled twice.
  *
@@ -53,8 +53,8 @@ static PyObject *STRIDED;       /* torch.strided */
 static PyObject *ONE;           /* 1 */
 static PyObject *FORWARD_OF;    /* dict: gradient kind -> the forward kind it pairs with */
 static Py_ssize_t MAYBE_TRIM, MAYBE_KEPT; /* a MAYBE list longer than TRIM keeps its last KEPT calls */
-/* The bits that ask for statistics and for a copy; bits that need Python; an eager value's bit. */
-static long STATS_BIT, TENSOR_BIT, PYTHON_BITS, EAGER_BIT;
+/* The bits that ask for statistics and for a copy; bits that need Python. */
+static long STATS_BIT, TENSOR_BIT, PYTHON_BITS;
 
 static PyObject *S_keep_graph, *S_dtype, *S_is_cpu, *S_is_neg, *S_data_ptr, *S_shape, *S_stride,
     *S_rows, *S_step, *S_requires_grad, *S_layout, *S_detach, *S_is_contiguous, *S_clone, *S_contiguous, *S_nbytes,
@@ -94,15 +94,15 @@ static int intern_names(void) {
 static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *names[] = {"types", "codes", "kernel", "soft_errors", "grad_enabled", "strided", "paired", "sure",
-                            "maybe", "none", "stats_bit", "tensor_bit", "python_bits", "eager_bit", "forward_of",
-                            "maybe_trim", "maybe_kept", NULL};
+                            "maybe", "none", "stats_bit", "tensor_bit", "python_bits", "forward_of", "maybe_trim",
+                            "maybe_kept", NULL};
     PyObject *types, *codes, *kernel, *soft, *grad_enabled, *strided, *paired, *sure, *maybe, *none, *forward_of;
-    long stats_bit, tensor_bit, python_bits, eager_bit;
+    long stats_bit, tensor_bit, python_bits;
     Py_ssize_t maybe_trim, maybe_kept;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOllllO!nn:configure", names, &PyTuple_Type, &types,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOlllO!nn:configure", names, &PyTuple_Type, &types,
                                      &PyDict_Type, &codes, &kernel, &soft, &grad_enabled, &strided,
                                      &PyFrozenSet_Type, &paired, &sure, &maybe, &none, &stats_bit, &tensor_bit,
-                                     &python_bits, &eager_bit, &PyDict_Type, &forward_of, &maybe_trim, &maybe_kept))
+                                     &python_bits, &PyDict_Type, &forward_of, &maybe_trim, &maybe_kept))
         return NULL;
     if (maybe_kept < 0 || maybe_trim < maybe_kept) {
         PyErr_SetString(PyExc_ValueError, "configure: need 0 <= maybe_kept <= maybe_trim");
@@ -135,7 +135,6 @@ static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs
     STATS_BIT = stats_bit;
     TENSOR_BIT = tensor_bit;
     PYTHON_BITS = python_bits;
-    EAGER_BIT = eager_bit;
     Py_RETURN_NONE;
 }
 
@@ -355,7 +354,7 @@ PyObject *frow_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject
     if (paired < 0) goto done;
     if (paired && requires_grad) {
         expect = SURE;
-    } else if (paired && !(flags & EAGER_BIT)) { /* (an eager value that doesn't require grad: none) */
+    } else if (paired) {
         if (!(flag = PyObject_CallNoArgs(GRAD_ENABLED))) goto done;
         expect = flag == Py_True ? NONE_EXPECTED : MAYBE;
     }

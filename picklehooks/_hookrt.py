@@ -59,7 +59,7 @@ _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the 
 _active_log = _state._ACTIVE.get  # the log recording in this context (the host's, inside an archive)
 _PLAIN = _ops._PLAIN  # tensor types recorded as they are (not a DTensor's shard)
 # Flag bits as globals: the eager path, once per recorded value, reads them without an attribute lookup.
-_VALUE, _GRAD, _GUARD, _EAGER = _ops.VALUE, _ops.GRAD, _ops.GUARD, _ops.EAGER
+_VALUE, _GRAD, _GUARD = _ops.VALUE, _ops.GRAD, _ops.GUARD
 
 
 def _tracing() -> bool:
@@ -133,7 +133,7 @@ class _PyGradRecorder:
 # leaves the rest to _record_grad. None, and the Python recorder, where the extension is off.
 _lanes = _native.hook_lane(recording=_state._ANYWHERE, active=_state._ACTIVE, graph_task_id=_graph_task_id,
                            name_attr="_picklehooks_name", fallback=_record_grad, value_bit=_ops.VALUE,
-                           grad_bit=_ops.GRAD, guard_bit=_ops.GUARD, eager_bit=_ops.EAGER)
+                           grad_bit=_ops.GRAD, guard_bit=_ops.GUARD)
 _forward_lane, _GradRecorder = _lanes if _lanes is not None else (None, _PyGradRecorder)
 
 
@@ -230,11 +230,11 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         return x
     if log is not None and flags & _VALUE:
         if type(x) in _PLAIN:
-            log._add_tensor(name, kind, path, x, flags | _EAGER)
-        else:  # a DTensor (tensor parallelism): its shard
-            _ops.record_tensor(log, name, kind, path, x, flags | _EAGER)
+            log._add_tensor(name, kind, path, x, flags)
+        else:
+            _ops.record_tensor(log, name, kind, path, x, flags)  # a DTensor (tensor parallelism): its shard
     elif log is not None and flags & _GRAD:
-        log._note_call(name, kind, path, x, flags | _EAGER)
+        log._note_call(name, kind, path, x)
     if flags & (_GRAD | _GUARD) and x.requires_grad:
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
@@ -443,7 +443,7 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     if flags & (_VALUE | _GUARD) == _VALUE:  # nothing to check or hook: record the value, if a log records here
         log = _active_log()
         if log is not None and _graph_task_id() == -1:  # not a checkpoint's recomputation (see _eager_tap)
-            log._add_tensor(name, "output", "", output, flags | _EAGER)
+            log._add_tensor(name, "output", "", output, flags)
             return None
     return _eager_tap(output, name, "output", "", flags, inputs)
 

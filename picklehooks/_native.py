@@ -126,15 +126,14 @@ else:
 
 
 def row_lane(*, paired: frozenset, sure: int, maybe: int, none: int, stats_bit: int, tensor_bit: int,
-             python_bits: int, eager_bit: int, forward_of: dict, maybe_trim: int, maybe_kept: int):
+             python_bits: int, forward_of: dict, maybe_trim: int, maybe_kept: int):
     """``_frow.add_row``, configured with the row format's constants, or ``None`` where it's off.
 
     ``picklehooks.log`` calls this once at import with its own constants:
     ``paired`` kinds await a gradient, ``sure``/``maybe``/``none`` are what
     ``_next_call`` takes as ``expect``, ``stats_bit`` and ``tensor_bit`` are
     the flags asking for statistics and for a copy, ``python_bits`` the flags
-    that need ``Log._add_tensor``'s Python path, ``eager_bit`` the flag of a value the eager
-    runtime records (with autograd off it awaits no gradient); ``forward_of``, ``maybe_trim`` and
+    that need ``Log._add_tensor``'s Python path; ``forward_of``, ``maybe_trim`` and
     ``maybe_kept`` are ``_next_call``'s, which the lane does in C (``_frow.next_call``).
     The tensor side (types, dtype codes, kernel, soft errors) is
     this module's, so both paths check tensors alike.
@@ -144,12 +143,12 @@ def row_lane(*, paired: frozenset, sure: int, maybe: int, none: int, stats_bit: 
     _frow.configure(types=tuple(_PLAIN), codes=_CODES, kernel=_kernel, soft_errors=_SOFT_ERRORS,
                     grad_enabled=torch.is_grad_enabled, strided=torch.strided, paired=paired, sure=sure,
                     maybe=maybe, none=none, stats_bit=stats_bit, tensor_bit=tensor_bit, python_bits=python_bits,
-                    eager_bit=eager_bit, forward_of=forward_of, maybe_trim=maybe_trim, maybe_kept=maybe_kept)
+                    forward_of=forward_of, maybe_trim=maybe_trim, maybe_kept=maybe_kept)
     return _frow.add_row
 
 
 def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallback, value_bit: int, grad_bit: int,
-              guard_bit: int, eager_bit: int):
+              guard_bit: int):
     """``(_frow.forward_lane, _frow.GradRecorder)``, configured, or ``None`` where the lanes are off.
 
     :mod:`picklehooks._hookrt` calls this once at import with its own state
@@ -166,5 +165,5 @@ def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallbac
         return None
     _frow.configure_hooks(recording=recording, active=active, graph_task_id=graph_task_id, tensor=torch.Tensor,
                           name_attr=name_attr, fallback=fallback, value_bit=value_bit, grad_bit=grad_bit,
-                          guard_bit=guard_bit, eager_bit=eager_bit)
+                          guard_bit=guard_bit)
     return _frow.forward_lane, _frow.GradRecorder

@@ -45,8 +45,7 @@ Gradients need an op in the dataflow, whose autograd formula sees them:
   tensor hook zeroing its gradient.
 
 ``flags`` bits: :data:`VALUE`, :data:`GRAD`, :data:`STATS`, :data:`TENSOR`,
-:data:`PARAM_GRAD`, :data:`GUARD`, :data:`COUNTED`, :data:`GRAD_SURE`, :data:`GRAD_NONE`
-(and :data:`EAGER`, which the eager runtime adds and ops never carry); a gradient tap's site
+:data:`PARAM_GRAD`, :data:`GUARD`, :data:`COUNTED`; a gradient tap's site
 number sits above them (see ``_tap_setup``).
 
 Limits: Inductor in torch 2.13 loses the ordering edges between effectful
@@ -84,10 +83,6 @@ COUNTED = 64
 #: (the compiled forward later runs without autograd, so the kernels can't): a gradient of
 #: this value will follow (:data:`GRAD_SURE`) or can't (:data:`GRAD_NONE`).
 GRAD_SURE, GRAD_NONE = 128, 256
-#: Set by the eager runtime (:mod:`picklehooks._hookrt`) on the values it records itself, never
-#: on an op: in eager mode a value recorded with autograd off gets no gradient, so the log
-#: keeps no call waiting for one (a graph's kernel, run with autograd off, can't tell).
-EAGER = 512
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):

@@ -48,7 +48,7 @@ from . import _logfile, _native, _sink, _state
 from ._native import stats as native_stats
 from ._logfile import dtype_name
 from ._jacobian import hutchinson
-from ._ops import EAGER, GRAD_NONE, GRAD_SURE, STATS, TENSOR
+from ._ops import GRAD_NONE, GRAD_SURE, STATS, TENSOR
 from ._stats import EMPTY, PAD, STAT_NAMES, finish, matrix_stats
 from ._shim import PicklehooksError
 
@@ -202,25 +202,22 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
     :data:`_SURE` where the tensor requires grad, or where tracing saw it did
     (``flags``: :data:`~picklehooks._ops.GRAD_SURE`, set by ``torch.compile``
     and ``torch.export``, whose forward runs without autograd); 0 where tracing
-    saw it didn't, and for an eager value (:data:`~picklehooks._ops.EAGER`)
-    that doesn't require grad; otherwise, with autograd off, :data:`_MAYBE`
-    (a graph's kernel in an older compiled graph, or in a scripted model run
-    under ``no_grad``: gradients pair with the sure calls first).
+    saw it didn't; otherwise, with autograd off, :data:`_MAYBE` (an older
+    compiled graph; a ``no_grad`` call in eager mode looks the same, so
+    gradients pair with the sure calls first).
     """
     if kind not in _PAIRED:
         return 0
     if flags & (GRAD_SURE | GRAD_NONE):
         return _SURE if flags & GRAD_SURE else 0
-    if x.requires_grad:
-        return _SURE
-    return 0 if flags & EAGER or torch.is_grad_enabled() else _MAYBE
+    return _SURE if x.requires_grad else 0 if torch.is_grad_enabled() else _MAYBE
 
 
 _PAIRED = frozenset(_FORWARD_OF.values())
 # Log._add_tensor's common cases in one C call (see picklehooks._native.row_lane), or None.
 _add_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS, tensor_bit=TENSOR,
-                            python_bits=GRAD_SURE | GRAD_NONE, eager_bit=EAGER, forward_of=_FORWARD_OF,
-                            maybe_trim=_MAYBE_TRIM, maybe_kept=_MAYBE_KEPT)
+                            python_bits=GRAD_SURE | GRAD_NONE, forward_of=_FORWARD_OF, maybe_trim=_MAYBE_TRIM,
+                            maybe_kept=_MAYBE_KEPT)
 # Layouts recorded as their dense values (Log._add_tensor); torch.strided and nested tensors are as they are.
 _DENSIFIED = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc,
                         torch._mkldnn})

@@ -241,23 +241,3 @@ def test_errors_in_recording_reach_the_caller(monkeypatch):
         monkeypatch.setattr(log, "keep_graph", False)
         with pytest.raises(TypeError, match="_calls is not a dict"):
             _hookrt._forward_lane(module, x, _ops.VALUE | _ops.STATS)
-
-
-def test_eager_values_recorded_without_autograd_await_no_gradient(monkeypatch):
-    """An eager no_grad forward leaves no call waiting for a gradient (one can't come), either way;
-    the gradients of a later forward with autograd still pair with its own calls."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
-    picklehooks.instrument(model, capture=["input", "output", "grad_output"])
-    x = torch.randn(2, 4)
-    for lanes in (True, False):
-        with monkeypatch.context() as patch:
-            if not lanes:
-                use_python_lanes(patch)
-            with picklehooks.record() as log:
-                with torch.no_grad():
-                    model(x)
-                assert not log._maybe_grad and not log._awaiting_grad
-                model(x).sum().backward()
-            grads = {r.module: r.call for r in log.records if r.kind == "grad_output"}
-            assert grads == {"0": 1, "1": 1}, lanes  # call 1: the forward with autograd
