@@ -147,9 +147,14 @@ def lane_in_a_model(rounds: int) -> None:
         print("\n(no C lanes here: picklehooks._frow isn't built)")
         return
     model, x = make_mlp()
-    plain, for_stats, for_tensors = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
-    picklehooks.instrument(for_stats)
-    picklehooks.instrument(for_tensors, mode="tensor")
+    plain = copy.deepcopy(model)
+    # One model per variant: a variant run right after another on the same model finds its
+    # weights and hooks in cache, which measured up to 2.5 µs per record in its favour.
+    models = {}
+    for mode in ("stats", "tensor"):
+        for path in ("python", "lane"):
+            models[mode, path] = copy.deepcopy(model)
+            picklehooks.instrument(models[mode, path], mode=mode)
 
     def step(m: nn.Module, backward: bool) -> None:
         if backward:
@@ -177,10 +182,10 @@ def lane_in_a_model(rounds: int) -> None:
     print("| :--- | ---: | ---: | ---: | ---: |")
     for backward in (False, True):
         variants = {"plain": lambda b=backward: step(plain, b),
-                    "stats python": recorded(for_stats, False, backward),
-                    "stats lane": recorded(for_stats, True, backward),
-                    "tensor python": recorded(for_tensors, False, backward),
-                    "tensor lane": recorded(for_tensors, True, backward)}
+                    "stats python": recorded(models["stats", "python"], False, backward),
+                    "stats lane": recorded(models["stats", "lane"], True, backward),
+                    "tensor python": recorded(models["tensor", "python"], False, backward),
+                    "tensor lane": recorded(models["tensor", "lane"], True, backward)}
         samples: dict[str, list[float]] = {name: [] for name in variants}
         calls = 4 if backward else 15
         gc.disable()

@@ -3,7 +3,10 @@ and the eager record lane built on it, by ``_frow``.
 
 :func:`stats` returns the :data:`~picklehooks._stats.STAT_NAMES` values of a
 tensor, read where it lies (no copy, no PyTorch kernel), or ``None`` when it
-can't, and the caller then uses :mod:`picklehooks._stats`. It is meant to be
+can't, and the caller then uses :mod:`picklehooks._stats`. The values come as
+one ``_fstats.Stats``: a read-only sequence of the nine floats that compares
+equal to their tuple and pickles and copies as one (a log keeps one per
+record until read, and one object costs less than ten). It is meant to be
 called from inside a hook, once per recorded tensor, so it does as few
 Python-level lookups as it can.
 
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -105,7 +109,7 @@ _SOFT_ERRORS = (RuntimeError, ValueError, TypeError, OverflowError, NotImplement
 if AVAILABLE:
     _get_code = _CODES.get  # dtype -> the extension's code for it; other dtypes get None
 
-    def stats(x: torch.Tensor) -> tuple[float, ...] | None:
+    def stats(x: torch.Tensor) -> Sequence[float] | None:
         """The 9 :data:`~picklehooks._stats.STAT_NAMES` values of ``x``, or ``None`` (see the module docstring)."""
         if type(x) not in _PLAIN:
             return None
@@ -120,7 +124,7 @@ if AVAILABLE:
             return None
 else:
 
-    def stats(x: torch.Tensor) -> tuple[float, ...] | None:
+    def stats(x: torch.Tensor) -> Sequence[float] | None:
         """Always ``None``: the extension is off (see the module docstring)."""
         return None
 
