@@ -46,6 +46,15 @@ def _plain_grad_outputs(model: torch.nn.Module, x: torch.Tensor, extra_hook=None
     return seen, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _recorded_grad_outputs(model, x, want_grads: dict) -> dict:
+    """Record the instrumented ``model``'s forward+backward; its ``.grad``s must equal ``want_grads``."""
+    with picklehooks.record() as log:
+        model(x).pow(2).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=0, atol=0)
+    return _grad_outputs(log)
+
+
 def _setup():
     torch.manual_seed(0)
     model, x = Chain(), torch.randn(4, 6)
@@ -56,17 +65,13 @@ def test_recorded_gradients_are_those_of_plain_tensor_hooks():
     model, plain, x = _setup()
     want, want_grads = _plain_grad_outputs(plain, x)
     picklehooks.instrument(model, mode="tensor")
-    with picklehooks.record() as log:
-        model(x).pow(2).sum().backward()
-    got = _grad_outputs(log)
+    got = _recorded_grad_outputs(model, x, want_grads)
     assert got.keys() == want.keys() == {"a", "act", "b"}
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=0, atol=0)
 
 
-def test_a_users_hook_added_after_ours_runs_can_change_the_gradient_and_be_removed():
+def test_a_users_hook_added_after_ours_runs_and_can_change_the_gradient():
     """The user's hook, registered on the output after picklehooks' forward hook, doubles the
     gradient flowing back through ``act``: the parameters' ``.grad`` must show it, as on the plain copy."""
     model, plain, x = _setup()
@@ -77,12 +82,9 @@ def test_a_users_hook_added_after_ours_runs_can_change_the_gradient_and_be_remov
     want, want_grads = _plain_grad_outputs(plain, x, extra_hook=double)
     picklehooks.instrument(model, mode="tensor")
     model.act.register_forward_hook(lambda m, i, o: o.register_hook(double) and None)
-    with picklehooks.record() as log:
-        model(x).pow(2).sum().backward()
+    got = _recorded_grad_outputs(model, x, want_grads)
     # Ours ran first, as the plain copy's recording hook did: both see the gradient before doubling.
-    torch.testing.assert_close(_grad_outputs(log)["act"], want["act"], rtol=0, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=0, atol=0)
+    torch.testing.assert_close(got["act"], want["act"], rtol=0, atol=0)
 
 
 
@@ -91,11 +93,8 @@ def test_a_users_hook_removed_by_its_handle_is_gone_and_ours_stays():
     want, want_grads = _plain_grad_outputs(plain, x)
     picklehooks.instrument(model, mode="tensor")
     model.act.register_forward_hook(lambda m, i, o: o.register_hook(lambda g: g * 2).remove())
-    with picklehooks.record() as log:
-        model(x).pow(2).sum().backward()
-    torch.testing.assert_close(_grad_outputs(log)["act"], want["act"], rtol=0, atol=0)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=0, atol=0)
+    got = _recorded_grad_outputs(model, x, want_grads)
+    torch.testing.assert_close(got["act"], want["act"], rtol=0, atol=0)
 
 
 def test_a_users_hook_added_before_ours_runs_first():
