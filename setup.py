@@ -30,7 +30,7 @@ setup(
         ),
         Extension(
             "picklehooks._frow",
-            sources=["picklehooks/_frow.c", "picklehooks/_fhook.c"],
+            sources=["picklehooks/_frow.c", "picklehooks/_fhook.c", "picklehooks/_frecords.c"],
             depends=["picklehooks/_frow.h"],
             extra_compile_args=compile_args,
             optional=True,

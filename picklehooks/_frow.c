@@ -36,8 +36,9 @@
  *
  * Why C: the same steps in Python measured 1 to 5.5 us more per record inside
  * a model (fewer interpreted instructions, less cache traffic), though only
- * about 0.3 us in a tight loop; see bench/bench_record_path.py. _fhook.c, the
- * extension's other source, is the hook lane that calls add_row.
+ * about 0.3 us in a tight loop; see bench/bench_record_path.py. The extension's
+ * other sources: _fhook.c, the hook lane that calls add_row, and _frecords.c,
+ * which builds Records from the rows when a log is read.
  */
 #include "_frow.h"
 
@@ -423,6 +424,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__frow(void) {
     if (intern_names() < 0 || !(ONE = PyLong_FromLong(1))) return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddFunctions(m, fhook_methods) < 0 || fhook_add_types(m) < 0)) Py_CLEAR(m);
+    if (m && (PyModule_AddFunctions(m, fhook_methods) < 0 || PyModule_AddFunctions(m, frecords_methods) < 0 ||
+              fhook_add_types(m) < 0))
+        Py_CLEAR(m);
     return m;
 }

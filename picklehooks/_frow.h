@@ -1,4 +1,4 @@
-/* What picklehooks/_frow.c and picklehooks/_fhook.c, the two sources of the _frow extension,
+/* What picklehooks/_frow.c, _fhook.c and _frecords.c, the sources of the _frow extension,
  * share. Nothing here is part of any API: the extension is built and used only by picklehooks. */
 #ifndef PICKLEHOOKS_FROW_H
 #define PICKLEHOOKS_FROW_H
@@ -21,5 +21,8 @@ static inline void set_ref(PyObject **slot, PyObject *value) {
 /* _fhook.c: the hook lane's functions, and adding its GradRecorder type to the module. */
 extern PyMethodDef fhook_methods[];
 int fhook_add_types(PyObject *module);
+
+/* _frecords.c: building Records from a log's rows. */
+extern PyMethodDef frecords_methods[];
 
 #endif

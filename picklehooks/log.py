@@ -303,6 +303,10 @@ class Record:
         return row
 
 
+# Log._records_now's loop in one C call (see picklehooks._native.record_builder), or None.
+_build_records = _native.record_builder(Record, dtype_name)
+
+
 def _current_rank() -> int | None:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
@@ -497,7 +501,10 @@ class Log:
         """Build a Record for every row added since the last read; the records in memory."""
         records, rows = self._records, self._rows
         n = len(rows)  # a gradient hook on autograd's thread may append meanwhile: keep what comes after
-        if n:
+        if n and _build_records is not None:
+            records += _build_records(rows, n, self.rank)
+            del rows[:n]
+        elif n:
             rank = self.rank
             append = records.append
             for module, kind, path, call, step, shape, dtype, stats, src, tensor, live in rows[:n]:
