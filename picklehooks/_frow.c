@@ -195,6 +195,25 @@ static PyObject *dict_attr(PyObject *log, PyObject *name) {
     return d;
 }
 
+/* The dict lookups of next_call: all of one key, so its hash is computed once (the key is a new
+ * tuple each time, and a tuple doesn't cache its hash). CPython's *_KnownHash calls are not part
+ * of its limited API (3.13 moved some out of the headers): from 3.13 on, the plain calls. */
+#if PY_VERSION_HEX < 0x030D0000
+#define GET_KNOWN(d, key, hash) _PyDict_GetItem_KnownHash(d, key, hash)
+#define SET_KNOWN(d, key, value, hash) _PyDict_SetItem_KnownHash(d, key, value, hash)
+#else
+#define GET_KNOWN(d, key, hash) ((void)(hash), PyDict_GetItemWithError(d, key))
+#define SET_KNOWN(d, key, value, hash) ((void)(hash), PyDict_SetItem(d, key, value))
+#endif
+
+/* kind == text for a kind string: identity first (kinds are interned constants). 1, 0, or -1. */
+static int kind_is(PyObject *kind, PyObject *text) {
+    if (kind == text) return 1;
+    if (!PyUnicode_Check(kind)) return 0;
+    int differs = PyUnicode_Compare(kind, text);
+    return differs == -1 && PyErr_Occurred() ? -1 : differs == 0;
+}
+
 /* waiting.pop() for a non-empty list: a new reference. */
 static PyObject *list_pop(PyObject *waiting) {
     Py_ssize_t n = PyList_GET_SIZE(waiting);
@@ -214,11 +233,12 @@ PyObject *frow_next_call(PyObject *log, PyObject *module, PyObject *kind, PyObje
     if (forward) { /* a gradient: the latest forward call awaiting one, the sure ones first */
         PyObject *fkey = PyTuple_Pack(3, module, forward, path);
         if (!fkey) return NULL;
+        Py_hash_t fhash = PyObject_Hash(fkey);
         PyObject *names[2] = {S_awaiting_grad, S_maybe_grad};
-        for (int i = 0; i < 2 && !result; i++) {
+        for (int i = 0; i < 2 && !result && fhash != -1; i++) {
             PyObject *waiting_table = dict_attr(log, names[i]);
             if (!waiting_table) break;
-            PyObject *waiting = PyDict_GetItemWithError(waiting_table, fkey); /* borrowed */
+            PyObject *waiting = GET_KNOWN(waiting_table, fkey, fhash); /* borrowed */
             if (waiting && !PyList_Check(waiting)) {
                 PyErr_SetString(PyExc_TypeError, "next_call: a log's waiting calls are not a list");
             } else if (waiting && PyList_GET_SIZE(waiting) > 0) {
@@ -231,17 +251,18 @@ PyObject *frow_next_call(PyObject *log, PyObject *module, PyObject *kind, PyObje
         if (result || PyErr_Occurred()) return result;
     }
     if (!(key = PyTuple_Pack(3, module, kind, path)) || !(calls = dict_attr(log, S_calls))) goto done;
-    count = PyDict_GetItemWithError(calls, key);
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) goto done;
+    count = GET_KNOWN(calls, key, hash);
     if (!count && PyErr_Occurred()) goto done;
     count = count ? Py_NewRef(count) : PyLong_FromLong(0);
     if (!count) goto done;
-    int invocation = 0;
-    if (PyUnicode_Check(kind) && PyUnicode_Compare(kind, S_input) == 0) {
-        invocation = 1;
-    } else if (PyUnicode_Check(kind) && PyUnicode_Compare(kind, S_output) == 0) {
-        if (!(open = PyObject_GetAttr(log, S_open)) || (invocation = PyObject_IsTrue(open)) < 0) goto done;
+    int invocation = kind_is(kind, S_input);
+    if (invocation == 0 && (invocation = kind_is(kind, S_output)) == 1) {
+        if (!(open = PyObject_GetAttr(log, S_open))) goto done;
+        invocation = PyObject_IsTrue(open);
     }
-    if (PyErr_Occurred()) goto done; /* (PyUnicode_Compare's) */
+    if (invocation < 0) goto done;
     if (invocation) {
         PyObject *args[5] = {log, module, kind, path, count};
         if (!(call = PyObject_VectorcallMethod(S_invocation, args, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)))
@@ -253,17 +274,17 @@ PyObject *frow_next_call(PyObject *log, PyObject *module, PyObject *kind, PyObje
         call = Py_NewRef(count);
         next = PyNumber_Add(count, ONE);
     }
-    if (!next || PyDict_SetItem(calls, key, next) < 0) goto done;
+    if (!next || SET_KNOWN(calls, key, next, hash) < 0) goto done;
     int expecting = PyObject_IsTrue(expect);
     if (expecting < 0) goto done;
     if (expecting) {
-        int sure = PyObject_RichCompareBool(expect, SURE, Py_EQ);
+        int sure = expect == SURE ? 1 : PyObject_RichCompareBool(expect, SURE, Py_EQ);
         if (sure < 0 || !(table = dict_attr(log, sure ? S_awaiting_grad : S_maybe_grad))) goto done;
-        PyObject *waiting = PyDict_GetItemWithError(table, key); /* borrowed */
+        PyObject *waiting = GET_KNOWN(table, key, hash); /* borrowed */
         if (!waiting) {
             if (PyErr_Occurred() || !(list = PyList_New(1))) goto done;
             PyList_SET_ITEM(list, 0, Py_NewRef(call));
-            if (PyDict_SetItem(table, key, list) < 0) goto done;
+            if (SET_KNOWN(table, key, list, hash) < 0) goto done;
         } else {
             if (!PyList_Check(waiting)) {
                 PyErr_SetString(PyExc_TypeError, "next_call: a log's waiting calls are not a list");
