@@ -25,7 +25,9 @@ thread's CPU time (``time.thread_time``), garbage collector off:
 * the leanest Python that still does those things for this one case,
   inlined into one function (a reference, not used by picklehooks; where the
   native kernel isn't built it falls back to the runtime's call);
-* building one ``Record`` from a row when ``log.records`` is read;
+* building one ``Record`` from a row when ``log.records`` is read, by
+  ``picklehooks/_frecords.c`` and by the Python loop it replaced (the same
+  rows, alternating);
 * a module call without hooks, with a no-op forward hook, and instrumented
   while a log records: what ``nn.Module``'s hook dispatch adds.
 
@@ -102,7 +104,13 @@ def main() -> None:
         "GELU call, a no-op forward hook": lambda: hooked(x),
         "GELU call, instrumented, recording": lambda: instrumented(x),
     }
-    times: dict[str, list[float]] = {name: [] for name in [*cases, "building one Record when read"]}
+    # Reading: the Records of every row so far, built by _frow.build_records and by the Python loop it
+    # replaces (the same rows each time, in alternating order).
+    builders = {"building one Record when read (C)": _log._build_records,
+                "building one Record when read (Python loop)": None}
+    if builders["building one Record when read (C)"] is None:
+        del builders["building one Record when read (C)"]
+    times: dict[str, list[float]] = {name: [] for name in [*cases, *builders]}
     gc.disable()
     try:
         with torch.no_grad(), picklehooks.record() as log:
@@ -116,12 +124,17 @@ def main() -> None:
                     times[name].append((time.thread_time() - t0) / calls * 1e6)
                     log._records.clear()  # the rows stay, to be built below
                     log._maybe_grad.clear()  # no_grad calls wait for a gradient that never comes
-                n = len(log._rows)
-                t0 = time.thread_time()
-                log.records  # noqa: B018 -- builds a Record from every row
-                times["building one Record when read"].append((time.thread_time() - t0) / max(n, 1) * 1e6)
-                log._records.clear()
+                rows = list(log._rows)
+                order = list(builders) if r % 2 == 0 else list(builders)[::-1]
+                for name in order:
+                    log._rows[:] = rows
+                    _log._build_records = builders[name]
+                    t0 = time.thread_time()
+                    log.records  # noqa: B018 -- builds a Record from every row
+                    times[name].append((time.thread_time() - t0) / max(len(rows), 1) * 1e6)
+                    log._records.clear()
     finally:
+        _log._build_records = builders.get("building one Record when read (C)")
         gc.enable()
     print(f"One recorded GELU output (32 x 256 float32, no_grad), {rounds} interleaved rounds of {calls} calls.\n")
     print("| piece | µs per call (median thread time) |")
