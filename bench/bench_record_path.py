@@ -39,6 +39,12 @@ lane) against the Python path they replace (``_hookrt`` and
 ``Log._add_tensor`` with the lanes switched off), interleaved in one
 process: thread time above the un-instrumented model per record.
 
+Last, what one call of picklehooks' ops costs from a scripted function,
+against an empty one, a ``torch.library.custom_op`` doing the same work, and
+an op whose C++ kernel does nothing (compiled here against this torch's
+headers with the system C++ compiler, in a few seconds; left out, saying
+why, where that fails): the floor an op registered in C++ would start from.
+
 It needs the native kernel (built, and ``PICKLEHOOKS_NATIVE`` not ``0``):
 without it a record is a copy into a batch reduced later, which this loop,
 never reading, would time by its batch reductions.
@@ -220,6 +226,46 @@ def lane_in_a_model(rounds: int) -> None:
         print(f"| {'forward+backward' if backward else 'forward (no_grad)'} | {cells} |")
 
 
+# An op whose C++ kernel does nothing: the floor a picklehooks op registered in C++ would start from.
+_NOOP_CPP = r"""
+#include <torch/library.h>
+static void noop(const at::Tensor&, c10::string_view, c10::string_view, c10::string_view, int64_t) {}
+TORCH_LIBRARY_FRAGMENT(picklehooks_bench, m) {
+  m.def(torch::schema("noop(Tensor x, str module, str kind, str path, int flags) -> ()",
+                      c10::AliasAnalysisKind::CONSERVATIVE));  // kept by TorchScript, as picklehooks' ops are
+}
+TORCH_LIBRARY_IMPL(picklehooks_bench, CompositeExplicitAutograd, m) { m.impl("noop", noop); }
+"""
+
+
+def _load_cpp_noop_op() -> str | None:
+    """Compile ``_NOOP_CPP`` against this torch's headers and load it; why not, where it can't be."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None or not sys.platform.startswith("linux"):
+        return "no C++ compiler (or not Linux)"
+    with tempfile.TemporaryDirectory(prefix="picklehooks_bench_") as work:  # loaded, the file can go
+        source, library = os.path.join(work, "noop.cpp"), os.path.join(work, "noop.so")
+        with open(source, "w") as f:
+            f.write(_NOOP_CPP)
+        command = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", source, "-o", library,
+                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                   *(f"-I{p}" for p in cpp_extension.include_paths()),
+                   *(f"-L{p}" for p in cpp_extension.library_paths()), "-ltorch_cpu", "-lc10"]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=600)
+            torch.ops.load_library(library)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            return f"it didn't build or load ({type(e).__name__})"
+    return None
+
+
 def ops_from_torchscript(rounds: int, calls: int) -> None:
     """What one call of picklehooks' ops costs from TorchScript, against a ``torch.library.custom_op``
     doing the same (the kind of op the issue measured at 13.5 µs) and against no op at all."""
@@ -250,6 +296,10 @@ def ops_from_torchscript(rounds: int, calls: int) -> None:
         "tap, on a value that requires grad (forward)":
             (script(f"x = torch.ops.picklehooks.tap(x, 'm', 'output', '', {tap})"), x_grad),
     }
+    why_not = _load_cpp_noop_op()
+    if why_not is None:
+        functions["an op whose C++ kernel does nothing (reference)"] = \
+            (script(f"torch.ops.picklehooks_bench.noop(x, 'm', 'output', '', {value})"), x)
     times: dict[str, list[float]] = {name: [] for name in functions}
     gc.disable()
     try:
@@ -273,6 +323,8 @@ def ops_from_torchscript(rounds: int, calls: int) -> None:
     print("| :--- | ---: |")
     for name, samples in times.items():
         print(f"| {name} | {statistics.median(samples):.2f} |")
+    if why_not is not None:
+        print(f"\n(No C++ reference op: {why_not}.)")
 
 
 class _nothing:
