@@ -242,6 +242,10 @@ def _read_pending(src: _PendingRow) -> list[float]:
     return group.rows[row]
 
 
+# Records read from a log's rows are built by _frow.build_records (picklehooks/_frecords.c), which fills the
+# slots of a new instance without calling __init__: keep __init__ the one dataclass writes. The builder
+# checks the fields and __post_init__ (picklehooks._native.record_builder), and tests/test_record_builder.py
+# that it builds what __init__ builds.
 @dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)  # slots: built per record when read
 class Record:
     """One recorded value.
