@@ -30,11 +30,11 @@ pytestmark = pytest.mark.skipif(log_module._build_records is None,
 FIELDS = [f.name for f in dataclasses.fields(Record)]
 
 
-def recorded_rows(**record_kwargs) -> tuple[Log, list[tuple]]:
+def recorded_rows(**instrument_kwargs) -> tuple[Log, list[tuple]]:
     """A log of a small model's forward+backward with every kind of row, and a copy of its rows."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-    picklehooks.instrument(model, capture=("input", "output", "grad_output", "param"), **record_kwargs)
+    picklehooks.instrument(model, capture=("input", "output", "grad_output", "param"), **instrument_kwargs)
     with picklehooks.record() as log:
         model(torch.randn(5, 4)).sum().backward()
         model[1](torch.arange(-4.0, 4.0).reshape(2, 4).half())  # float16 values
