@@ -247,9 +247,11 @@ def _load_cpp_noop_op() -> str | None:
 
     from torch.utils import cpp_extension
 
+    if not sys.platform.startswith("linux"):
+        return "built on Linux only"
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None or not sys.platform.startswith("linux"):
-        return "no C++ compiler (or not Linux)"
+    if cxx is None:
+        return "no C++ compiler"
     with tempfile.TemporaryDirectory(prefix="picklehooks_bench_") as work:  # loaded, the file can go
         source, library = os.path.join(work, "noop.cpp"), os.path.join(work, "noop.so")
         with open(source, "w") as f:
