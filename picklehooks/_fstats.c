@@ -320,7 +320,6 @@ static int one_pass(state_t *st, walk_t *w, int code, counts_t *c) {
     return nonfinite;
 }
 
-/* Bounds of float64 data handled here (see the header comment). */
 /* -- Stats: what stats() returns ------------------------------------------------------------
  * The nine values in one object: a read-only sequence of floats (len, indexing, iteration,
  * ==), as a tuple of them would be, but one allocation instead of ten. A log keeps one per
@@ -423,6 +422,7 @@ static PyTypeObject StatsType = {
     .tp_hash = PyObject_HashNotImplemented,
 };
 
+/* Bounds of float64 data handled here (see the header comment). */
 static const double F64_LARGEST = 0x1p450, F64_SMALLEST = 0x1p-400;
 
 static int ssize_item(PyObject *tuple, Py_ssize_t i, Py_ssize_t *out) {
