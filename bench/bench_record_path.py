@@ -283,11 +283,21 @@ def ops_from_torchscript(rounds: int, calls: int) -> None:
     def script(body: str):
         return torch.jit.CompilationUnit(f"def fn(x: Tensor) -> Tensor:\n    {body}\n    return x\n").fn
 
+    # active's Python kernel, side by side with the registered one (C where _fkernels is built).
+    bench_lib = torch.library.Library("picklehooks_bench", "FRAGMENT")
+    bench_lib.define("active_py(int flags) -> bool", alias_analysis="CONSERVATIVE")
+    bench_lib.impl("active_py", _ops._active_kernel, "CompositeExplicitAutograd")
+    dump = torch._C._dispatch_dump("picklehooks::active")
+    active_kernel = "C" if "_fkernels.c" in dump else "Python"
+
     value = _ops.VALUE | _ops.STATS
     tap = _ops.GRAD | _ops.STATS | _ops.COUNTED  # what a scripted hook's tap passes: the gradient only
     functions = {
         "an empty scripted function (reference)": (script("pass"), x),
-        "active (what an idle scripted hook asks)": (script("torch.ops.picklehooks.active(7)"), x),
+        f"active (what an idle scripted hook asks; its kernel here: {active_kernel})":
+            (script("torch.ops.picklehooks.active(7)"), x),
+        "active's Python kernel (what it is without picklehooks._fkernels)":
+            (script("torch.ops.picklehooks_bench.active_py(7)"), x),
         "record, while nothing records": (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})"), x),
         "record, recording statistics": (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})"), x),
         "x.clone() (reference)": (script("x = x.clone()"), x_grad),

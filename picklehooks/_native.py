@@ -60,17 +60,24 @@ steps in Python, and 6 µs less for a copy and its gradient
 returns the reading side, ``_frow.build_records``: the Records of a log's
 rows, built in one call.
 
+:func:`register_active` registers the C kernel of the ``active`` op
+(``_fkernels.c``) through libtorch's stable C shim, found with :mod:`ctypes`
+(no torch headers at build time; where a torch lacks those functions, the
+op keeps its Python kernel), and :func:`set_recording` sets what it answers.
+
 ``PICKLEHOOKS_NATIVE=0`` in the environment, read once at import, turns the
 extensions off: :data:`AVAILABLE` is ``False``, :func:`stats` returns
-``None`` and :func:`row_lane`, :func:`hook_lane` and :func:`record_builder`
-return ``None``. Where an extension didn't compile (``pip`` builds them
-optionally), and in a copy of this module inside a ``torch.package``
-archive (archives hold Python source only), it is off too (``_frow``
-without ``_fstats`` counts as off), and importing this module still works.
+``None``, :func:`row_lane`, :func:`hook_lane` and :func:`record_builder`
+return ``None`` and :func:`register_active` ``False``. Where an extension
+didn't compile (``pip`` builds them optionally), and in a copy of this
+module inside a ``torch.package`` archive (archives hold Python source
+only), it is off too (``_frow`` and ``_fkernels`` without ``_fstats`` count
+as off), and importing this module still works.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import os
@@ -93,6 +100,13 @@ try:
     _kernel = _fstats.stats
 except (ImportError, AttributeError):  # not built (no compiler), or inside a torch.package archive
     _fstats, _CODES, _kernel = None, {}, None
+try:
+    if __name__.startswith("<torch_package_"):
+        raise ImportError("picklehooks._fkernels is not used from inside a torch.package archive")
+    _fkernels = importlib.import_module("._fkernels", __package__)
+    _fkernels.ACTIVE, _fkernels.set_recording  # noqa: B018 -- a stale build without them counts as none
+except (ImportError, AttributeError):
+    _fkernels = None
 try:
     if _fstats is None:
         raise ImportError("the row lane needs _fstats")
@@ -196,3 +210,61 @@ def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallbac
                           name_attr=name_attr, fallback=fallback, value_bit=value_bit, grad_bit=grad_bit,
                           guard_bit=guard_bit)
     return _frow.forward_lane, _frow.GradRecorder
+
+
+# libtorch's file names on Linux, macOS and Windows; the stable C shim's functions are in it.
+_LIBTORCH_CPU = ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll")
+_LIBRARY_HANDLES: list = []  # the torch::Library objects of the kernels registered here, never freed
+
+
+def _library_functions():
+    """libtorch's ``aoti_torch_library_init_impl`` and ``aoti_torch_library_impl``, or ``None``."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in _LIBTORCH_CPU:
+        path = os.path.join(lib_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            libtorch = ctypes.CDLL(path)  # loaded already: this only looks it up
+            init, impl = libtorch.aoti_torch_library_init_impl, libtorch.aoti_torch_library_impl
+        except (OSError, AttributeError):  # torch before the stable shim had them
+            return None
+        init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
+                         ctypes.POINTER(ctypes.c_void_p)]
+        impl.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        init.restype = impl.restype = ctypes.c_int32
+        return init, impl
+    return None
+
+
+def register_active(namespace: str, dispatch_key: str) -> bool:
+    """Register ``_fkernels``' C kernel of ``namespace::active`` at ``dispatch_key``; whether it did.
+
+    Through libtorch's stable C shim, so no torch headers at build time (see
+    ``_fkernels.c``). The op, ``active(int flags) -> bool``, must be defined
+    already, with no kernel at that key. The kernel answers what the last
+    :func:`set_recording` said, so the caller must call that each time a log
+    starts or stops. ``False``, having registered nothing, where the extension
+    or the shim's functions are missing or native code is off; the caller then
+    registers its Python kernel. The registration lasts as long as the process.
+    """
+    if not AVAILABLE or _fkernels is None:
+        return False
+    functions = _library_functions()
+    if functions is None:
+        return False
+    init, impl = functions
+    handle = ctypes.c_void_p()
+    # The file and line are what torch._C._dispatch_dump shows as where the kernel came from.
+    if init(namespace.encode(), dispatch_key.encode(), b"picklehooks/_fkernels.c", 1, ctypes.byref(handle)) != 0:
+        return False
+    if impl(handle, b"active", _fkernels.ACTIVE) != 0:
+        return False  # (the empty Library object is kept: freeing it is as harmless as keeping it)
+    _LIBRARY_HANDLES.append(handle)  # freeing it would remove the kernel
+    return True
+
+
+def set_recording(flag: bool) -> None:
+    """What the C kernel of ``active`` answers from now on (whether any log records)."""
+    if _fkernels is not None:
+        _fkernels.set_recording(flag)

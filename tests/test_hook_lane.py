@@ -11,7 +11,6 @@ PyTorch; one test here does too, for the cases only this lane takes.
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import picklehooks
 from picklehooks import _hookrt, _ops
 from picklehooks.log import Log
 from tests.test_record_lane import assert_same_logs
-from tests.testutils import plain_stats, use_python_lanes
+from tests.testutils import plain_stats, recording_in_another_thread, use_python_lanes
 
 pytestmark = pytest.mark.skipif(_hookrt._forward_lane is None,
                                 reason="picklehooks._frow is not built here, or PICKLEHOOKS_NATIVE=0")
@@ -183,24 +182,9 @@ def test_forward_lane_records_nothing_for_a_thread_that_does_not_record():
     """Another thread's log records; this thread's outputs aren't its."""
     module = torch.nn.GELU()
     module._picklehooks_name = "g"
-    started, done = threading.Event(), threading.Event()
-    logs = []
-
-    def recorder():
-        with picklehooks.record() as log:
-            logs.append(log)
-            started.set()
-            done.wait(30)
-
-    thread = threading.Thread(target=recorder)
-    thread.start()
-    try:
-        assert started.wait(30)
+    with recording_in_another_thread() as log:
         assert _hookrt._forward_lane(module, torch.randn(2), _ops.VALUE | _ops.STATS) is None
-    finally:
-        done.set()
-        thread.join()
-    assert not logs[0]._rows
+    assert not log._rows
 
 
 def test_grad_recorder_checks_its_arguments_and_hands_over_the_rest():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import torch
@@ -65,6 +67,29 @@ def transformed(model, backend: str, inputs: tuple):
     if backend == "export":
         return torch.export.export(model, tuple(inputs)).module()
     raise ValueError(f"unknown backend {backend!r}")
+
+
+@contextlib.contextmanager
+def recording_in_another_thread():
+    """A ``record()`` open in another thread for the duration of the block; yields its log."""
+    import picklehooks
+
+    started, done, logs = threading.Event(), threading.Event(), []
+
+    def recorder():
+        with picklehooks.record() as log:
+            logs.append(log)
+            started.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=recorder)
+    thread.start()
+    try:
+        assert started.wait(30), "the other thread's record() didn't start"
+        yield logs[0]
+    finally:
+        done.set()
+        thread.join(30)
 
 
 def use_python_lanes(monkeypatch) -> None:

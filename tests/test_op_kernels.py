@@ -1,0 +1,109 @@
+"""The ``active`` op's C kernel (``picklehooks/_fkernels.c``), registered through libtorch's stable C shim.
+
+Every hook of a scripted instrumented model asks ``picklehooks::active`` first; with
+``_fkernels`` built it answers in C, and it must answer what the Python kernel would:
+whether any log records, anywhere in the process.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import picklehooks
+from picklehooks import _native, _ops
+from tests.testutils import recording_in_another_thread, run_fresh
+
+active = torch.ops.picklehooks.active.default
+
+
+def _kernel_origin() -> str:
+    """Where the dispatcher says ``active``'s kernel was registered."""
+    dump = torch._C._dispatch_dump("picklehooks::active")
+    (line,) = [line for line in dump.splitlines() if line.startswith("CompositeExplicitAutograd")]
+    return line
+
+
+def test_the_kernel_is_the_c_one_where_the_extension_is_built():
+    if not (_native.AVAILABLE and _native._fkernels is not None):
+        pytest.skip("picklehooks._fkernels is not built here, or PICKLEHOOKS_NATIVE=0")
+    assert "_fkernels.c" in _kernel_origin()
+
+
+def test_active_answers_whether_any_log_records():
+    assert active(0) is False
+    with picklehooks.record():
+        assert active(0) is True
+        with picklehooks.record():
+            assert active(0) is True
+        assert active(0) is True  # the outer log still records
+    assert active(0) is False
+    with pytest.raises(ZeroDivisionError):
+        with picklehooks.record():
+            assert active(0) is True
+            1 / 0
+    assert active(0) is False  # record() ended in its finally
+
+
+def test_active_counts_logs_of_every_thread():
+    """A log recording in another thread counts (autograd's threads deliver gradients to it)."""
+    with recording_in_another_thread():
+        assert active(0) is True
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(active(0)))
+        thread.start()
+        thread.join(30)
+        assert seen == [True]
+    assert active(0) is False
+
+
+def test_active_from_torchscript_runs_the_registered_kernel():
+    @torch.jit.script
+    def ask(flags: int) -> bool:
+        return torch.ops.picklehooks.active(flags)
+
+    assert ask(3) is False
+    with picklehooks.record():
+        assert ask(3) is True
+    assert ask(3) is False
+    assert _ops._active_kernel(3) is False  # the Python kernel agrees
+
+
+_SCRIPTED_RECORDS = """
+import copy, os, torch, picklehooks
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+plain = copy.deepcopy(model)
+x = torch.randn(5, 8)
+# ground truth: every submodule's output, by plain forward hooks on the un-instrumented copy
+want = {}
+for name, m in plain.named_children():
+    m.register_forward_hook(lambda mod, args, out, name=name: want.setdefault(name, out.detach().clone()))
+plain(x)
+picklehooks.instrument(model, capture=("output",), mode="tensor", scriptable=True, example_inputs=(x,))
+scripted = torch.jit.script(model)
+with torch.no_grad():
+    scripted(x)  # idle: nothing to record, nothing recorded
+    with picklehooks.record() as log:
+        out = scripted(x)
+got = {r.module: r.tensor for r in log if r.kind == "output" and r.module in want}
+assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+for name, value in want.items():
+    torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+dump = torch._C._dispatch_dump("picklehooks::active")
+origin = [line for line in dump.splitlines() if line.startswith("CompositeExplicitAutograd")][0]
+print("C" if "_fkernels.c" in origin else "Python", len(log))
+"""
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_scripted_model_records_with_either_kernel(native, monkeypatch):
+    """In a fresh process (the kernel is chosen at import): PICKLEHOOKS_NATIVE=0 keeps the Python kernel."""
+    monkeypatch.setenv("PICKLEHOOKS_NATIVE", native)  # run_fresh's child inherits the environment
+    kernel, count = run_fresh(_SCRIPTED_RECORDS).split()
+    assert int(count) >= 3
+    built = _native._fkernels is not None and _native._fstats is not None
+    assert kernel == ("C" if native == "1" and built else "Python")
