@@ -33,7 +33,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
   ``model(input_ids=ids, labels=ids).loss``.
 * ``script``: the MLP under TorchScript: ``torch.jit.script`` of the plain
   model against ``torch.jit.script`` of the model instrumented with
-  ``scriptable=True`` (the baseline here is the scripted plain model).
+  ``scriptable=True`` (the baseline here is the scripted plain model); then
+  ``torch.jit.trace`` of each (the baseline: the traced plain model).
 * ``compile``: the MLP under ``torch.compile(fullgraph=True)`` (Inductor;
   a fresh ``TORCHINDUCTOR_CACHE_DIR`` unless one is set): the compiled plain
   model against the compiled instrumented one, idle and recording, with the
@@ -86,7 +87,9 @@ their gradients).
 Variants of ``hf``: 1, 2 and 3 above. Variants of ``script``: the scripted
 plain model (baseline), the scripted instrumented model not recording, the
 same under ``record()`` with its statistics read (no target), and the eager
-plain model (for reference).
+plain model (for reference); then the same under ``torch.jit.trace`` (traced
+under ``no_grad``; no target: a traced graph runs its record and tap ops, and
+each tap's copy, whether or not a log records).
 
 Targets (judged on the thread-time ratio, on the wall ratio with ``--device cuda``):
 recording stats including reading them ≤ 1.30× on all four MLP and
@@ -149,6 +152,9 @@ NAIVE = "hand-written closure hooks (.item() stats)"
 S_BASE = "scripted plain model"
 S_QUIET = "scripted instrumented (scriptable=True), not recording"
 S_STATS = "scripted instrumented, recording stats (+ reading them)"
+T_BASE = "traced plain model"
+T_QUIET = "traced instrumented (default capture), not recording"
+T_STATS = "traced instrumented, recording stats (+ reading them)"
 S_EAGER = "eager plain model (reference)"
 C_BASE = "compiled plain model"
 C_QUIET = "compiled instrumented, not recording (statistics by the record op's kernel)"
@@ -597,6 +603,22 @@ def script_section(setup: Setup) -> None:
         table(phase, times, S_BASE, setup, TARGETS["script"], summary=f"script {'fwd+bwd' if backward else 'fwd'}")
         if handle.skipped:
             print(f"\nSkipped by instrument(scriptable=True): {', '.join(handle.skipped)}")
+    for backward in (False, True):
+        # jit.trace: a graph can't branch on whether a log records, so every record and tap op
+        # runs (and each tap copies its value) while nothing records. Reference only, no target.
+        phase = f"MLP under torch.jit.trace, {'forward+backward' if backward else 'forward (no_grad)'}"
+        progress(f"measuring: {phase}")
+        hooked = copy.deepcopy(model)
+        picklehooks.instrument(hooked, example_inputs=(x,))
+        with torch.no_grad():
+            plain, traced = (torch.jit.trace(m, (x,), check_trace=False) for m in (copy.deepcopy(model), hooked))
+        variants = {
+            T_BASE: workload(plain, task, backward),
+            T_QUIET: workload(traced, task, backward),
+            T_STATS: recording(workload(traced, task, backward), read_stats=True),
+        }
+        times = measure(variants, setup, warmup=10)
+        table(phase, times, T_BASE, setup, {}, summary=f"trace {'fwd+bwd' if backward else 'fwd'}")
 
 
 def compile_section(setup: Setup) -> None:

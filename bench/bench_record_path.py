@@ -307,6 +307,8 @@ def ops_from_torchscript(rounds: int, calls: int) -> None:
             (script(f"x = torch.ops.picklehooks_bench.record_copy(x, 'm', 'output', '', {value})"), x),
         "tap, on a value that requires grad (forward)":
             (script(f"x = torch.ops.picklehooks.tap(x, 'm', 'output', '', {tap})"), x_grad),
+        "tap, on a value that doesn't require grad (a traced graph under no_grad)":
+            (script(f"x = torch.ops.picklehooks.tap(x, 'm', 'output', '', {tap})"), x),
     }
     why_not = _load_cpp_noop_op()
     if why_not is None:

@@ -36,9 +36,9 @@ def test_record_path_microbench_prints_every_piece():
     out = run("bench_record_path.py", "--rounds", "2", "--calls", "20")
     rows = re.findall(r"^\| ([^|]+) \| (\d+\.\d\d) \|$", out, flags=re.M)
     # The pieces of one record (6 rows, then building Records by C and by the Python loop), then
-    # one op call from TorchScript (9 rows, and the C++ reference op where it compiles).
+    # one op call from TorchScript (10 rows, and the C++ reference op where it compiles).
     cpp = "No C++ reference op" not in out
-    assert len(rows) == 17 + cpp and all(float(v) > 0 for _, v in rows), out
+    assert len(rows) == 18 + cpp and all(float(v) > 0 for _, v in rows), out
     assert [name for name, _ in rows[6:8]] == ["building one Record when read (C)",
                                                "building one Record when read (Python loop)"], out
     assert "One op call from TorchScript" in out and "torch.library.custom_op" in rows[15][0], out

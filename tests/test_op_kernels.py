@@ -32,6 +32,38 @@ def test_the_kernel_is_the_c_one_where_the_extension_is_built():
     assert "_fkernels.c" in _kernel_origin()
 
 
+def test_without_the_shims_functions_nothing_is_registered(monkeypatch):
+    """A torch whose libtorch lacks aoti_torch_library_impl: False, so _ops registers the Python kernel."""
+    monkeypatch.setattr(_native, "_library_functions", lambda: None)
+    handles = list(_native._LIBRARY_HANDLES)
+    assert _native.register_active("picklehooks_test_none", "CompositeExplicitAutograd") is False
+    assert _native._LIBRARY_HANDLES == handles
+
+
+@pytest.mark.skipif(_native._fkernels is None or not _native.AVAILABLE,
+                    reason="picklehooks._fkernels is not built here, or PICKLEHOOKS_NATIVE=0")
+def test_the_c_kernel_answers_what_set_recording_said():
+    """The kernel's contract, on an op of its own: it answers the last set_recording, in any thread."""
+    lib = torch.library.Library("picklehooks_test_kernel", "DEF")
+    lib.define("active(int flags) -> bool")
+    handles = len(_native._LIBRARY_HANDLES)
+    assert _native.register_active("picklehooks_test_kernel", "CompositeExplicitAutograd") is True
+    assert len(_native._LIBRARY_HANDLES) == handles + 1  # kept: freeing it would drop the kernel
+    op = torch.ops.picklehooks_test_kernel.active.default
+    try:
+        for flag in (True, False, True):
+            _native.set_recording(flag)
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append(op(5)))
+            thread.start()
+            thread.join(30)
+            assert op(5) is flag and seen == [flag]
+    finally:
+        from picklehooks import _state
+        with _state._LOCK:
+            _native.set_recording(bool(_state._ANYWHERE))
+
+
 def test_active_answers_whether_any_log_records():
     assert active(0) is False
     with picklehooks.record():

@@ -3,9 +3,10 @@
 ``_TapFunction`` (what TorchScript's gradient taps run at the Autograd key)
 skips re-dispatching ``tap`` and ``tap_grad`` for a plain tensor with no
 dispatch mode and no ``jit.trace`` (``picklehooks._ops._runs_as_is``), about
-2.5 µs per call each way. Records must be those of the dispatcher's path,
-gradients those of the un-instrumented model, and every tracer must still
-see the ops themselves.
+2.5 µs per call each way; so does ``tap``'s Autograd kernel where no gradient
+can flow (a ``jit.trace`` graph run under ``no_grad``). Records must be those
+of the dispatcher's path, gradients and outputs those of the un-instrumented
+model, and every tracer must still see the ops themselves.
 """
 
 from __future__ import annotations
@@ -95,4 +96,57 @@ def test_jit_trace_still_records_the_tap_op():
         return torch.ops.picklehooks.tap(x * 2, "m", "output", "", flags).sum()
 
     traced = torch.jit.trace(fn, (torch.randn(3, requires_grad=True),))
+    assert "picklehooks::tap" in str(traced.graph)
+
+
+def traced_records(monkeypatch, shortcut: bool):
+    """A jit.trace'd instrumented MLP run under no_grad, recording: its taps take the Autograd
+    kernel's no-gradient branch."""
+    model, x = mlp()
+    plain = copy.deepcopy(model)
+    picklehooks.instrument(model, capture=("output", "grad_output"), mode="tensor", example_inputs=(x,))
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    assert "picklehooks::tap" in str(traced.inlined_graph)
+    below = []
+    with monkeypatch.context() as patch:
+        if not shortcut:
+            patch.setattr(_ops, "_runs_as_is", lambda x: False)
+        patch.setattr(_ops, "_tap_below_autograd",
+                      lambda *args, real=_ops._tap_below_autograd: below.append(args[1]) or real(*args))
+        with torch.no_grad(), picklehooks.record() as log:
+            out = traced(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, plain(x), rtol=0, atol=0)
+    return log, below
+
+
+def test_traced_taps_without_gradient_call_the_kernel_directly(monkeypatch):
+    direct, below_direct = traced_records(monkeypatch, True)
+    dispatched, below_dispatched = traced_records(monkeypatch, False)
+    assert below_direct == [] and len(below_dispatched) >= 4  # the shortcut was taken, and only with it
+    assert [r.key for r in direct.records] == [r.key for r in dispatched.records]
+    assert {r.kind for r in direct.records} == {"output"}
+    for a, b in zip(direct.records, dispatched.records):
+        torch.testing.assert_close(a.tensor, b.tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_tracers_still_see_tap_without_gradient(tracing_mode):
+    """make_fx under no_grad: the tap reaches the Autograd kernel's no-gradient branch, and the graph
+    must still hold the op."""
+    def fn(x):
+        with torch.no_grad():
+            return torch.ops.picklehooks.tap(x * 2, "m", "output", "", _ops.GRAD | _ops.STATS)
+
+    graph = make_fx(fn, tracing_mode=tracing_mode)(torch.randn(3))
+    targets = {node.target for node in graph.graph.nodes if node.op == "call_function"}
+    assert torch.ops.picklehooks.tap.default in targets
+
+
+def test_jit_trace_records_the_tap_op_without_gradient():
+    def fn(x):
+        return torch.ops.picklehooks.tap(x * 2, "m", "output", "", _ops.GRAD | _ops.STATS).sum()
+
+    with torch.no_grad():
+        traced = torch.jit.trace(fn, (torch.randn(3),))
     assert "picklehooks::tap" in str(traced.graph)
