@@ -10,8 +10,8 @@
  * registers it with libtorch's stable C shim (aoti_torch_library_init_impl and
  * aoti_torch_library_impl, plain C functions looked up with ctypes), so this file needs no torch
  * headers and builds with the rest of the package; picklehooks._ops keeps the Python kernel where
- * that fails (no build, torch before the shim had them, PICKLEHOOKS_NATIVE=0, a torch.package
- * archive). picklehooks._state calls set_recording each time a log starts or stops (its
+ * that fails (no build, torch before the shim had them, Windows, PICKLEHOOKS_NATIVE=0, a
+ * torch.package archive). picklehooks._state calls set_recording each time a log starts or stops (its
  * _ON_CHANGE list, under its lock), so the answer is that of bool(picklehooks._state._ANYWHERE).
  *
  * A boxed kernel gets the op's arguments as a stack of 64-bit StableIValues (the int64 flags here,

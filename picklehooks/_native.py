@@ -62,8 +62,8 @@ rows, built in one call.
 
 :func:`register_active` registers the C kernel of the ``active`` op
 (``_fkernels.c``) through libtorch's stable C shim, found with :mod:`ctypes`
-(no torch headers at build time; where a torch lacks those functions, the
-op keeps its Python kernel), and :func:`set_recording` sets what it answers.
+(no torch headers at build time; where a torch lacks those functions, and
+on Windows, the op keeps its Python kernel), and :func:`set_recording` sets what it answers.
 
 ``PICKLEHOOKS_NATIVE=0`` in the environment, read once at import, turns the
 extensions off: :data:`AVAILABLE` is ``False``, :func:`stats` returns
@@ -218,16 +218,21 @@ _LIBRARY_HANDLES: list = []  # the torch::Library objects of the kernels registe
 
 
 def _library_functions():
-    """libtorch's ``aoti_torch_library_init_impl`` and ``aoti_torch_library_impl``, or ``None``."""
+    """The imported torch's ``aoti_torch_library_init_impl`` and ``aoti_torch_library_impl``, or ``None``."""
+    # RTLD_NOLOAD: only the libtorch this process has loaded already (a second copy would have
+    # a dispatcher of its own). Windows has no such flag: there the Python kernel stays.
+    no_load = getattr(os, "RTLD_NOLOAD", None)
+    if no_load is None:
+        return None
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
     for name in _LIBTORCH_CPU:
         path = os.path.join(lib_dir, name)
         if not os.path.exists(path):
             continue
         try:
-            libtorch = ctypes.CDLL(path)  # loaded already: this only looks it up
+            libtorch = ctypes.CDLL(path, mode=no_load | getattr(os, "RTLD_LAZY", 1))
             init, impl = libtorch.aoti_torch_library_init_impl, libtorch.aoti_torch_library_impl
-        except (OSError, AttributeError):  # torch before the stable shim had them
+        except (OSError, AttributeError):  # not this process's libtorch, or too old for the shim
             return None
         init.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32,
                          ctypes.POINTER(ctypes.c_void_p)]

@@ -7,6 +7,7 @@ whether any log records, anywhere in the process.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -38,6 +39,27 @@ def test_without_the_shims_functions_nothing_is_registered(monkeypatch):
     handles = list(_native._LIBRARY_HANDLES)
     assert _native.register_active("picklehooks_test_none", "CompositeExplicitAutograd") is False
     assert _native._LIBRARY_HANDLES == handles
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_shim_is_looked_up_only_in_the_libtorch_already_loaded(tmp_path, monkeypatch):
+    """A libtorch_cpu beside a torch.__file__ that this process didn't load is not loaded (RTLD_NOLOAD):
+    a second libtorch would have a dispatcher of its own."""
+    import shutil
+    import types
+
+    import _ctypes  # any shared object will do: it must only never get loaded
+
+    if not getattr(_ctypes, "__file__", None):
+        pytest.skip("_ctypes is built into this Python")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    stranger = lib / "libtorch_cpu.so"
+    shutil.copy(_ctypes.__file__, stranger)
+    monkeypatch.setattr(_native, "torch", types.SimpleNamespace(__file__=str(tmp_path / "__init__.py")))
+    assert _native._library_functions() is None
+    with open("/proc/self/maps") as maps:
+        assert str(stranger) not in maps.read()
 
 
 @pytest.mark.skipif(_native._fkernels is None or not _native.AVAILABLE,
