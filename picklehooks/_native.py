@@ -63,7 +63,8 @@ rows, built in one call.
 :func:`register_active` registers the C kernel of the ``active`` op
 (``_fkernels.c``) through libtorch's stable C shim, found with :mod:`ctypes`
 (no torch headers at build time; where a torch lacks those functions, and
-on Windows, the op keeps its Python kernel), and :func:`set_recording` sets what it answers.
+on Windows, the op keeps its Python kernel), and :func:`set_recording`
+sets what it answers.
 
 ``PICKLEHOOKS_NATIVE=0`` in the environment, read once at import, turns the
 extensions off: :data:`AVAILABLE` is ``False``, :func:`stats` returns
