@@ -473,6 +473,8 @@ def _import_from(target: Path) -> list[str]:
         import torch, picklehooks, picklehooks._native as n
         assert picklehooks.__file__.startswith(sys.argv[1]), picklehooks.__file__
         s = n.stats(torch.tensor([1.0, 3.0]))
+        dump = torch._C._dispatch_dump("picklehooks::active")
+        print("C" if "_fkernels.c" in dump else "Python", end=" ")  # the active op's kernel
         print(n.AVAILABLE, s if s is None else tuple(s))
     """
     env = {k: v for k, v in os.environ.items() if k != "PICKLEHOOKS_NATIVE"}
@@ -480,7 +482,7 @@ def _import_from(target: Path) -> list[str]:
     # cwd: not the checkout, which python -c would put first on sys.path
     proc = subprocess.run([sys.executable, "-c", "import sys\n" + textwrap.dedent(code), str(target)], capture_output=True, text=True, env=env, timeout=300, cwd=target)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split(maxsplit=1)
+    return proc.stdout.split(maxsplit=2)
 
 
 def test_installs_and_imports_without_a_c_compiler(tmp_path):
@@ -489,16 +491,18 @@ def test_installs_and_imports_without_a_c_compiler(tmp_path):
     Slow-ish (a pip install into a temporary directory, ~5 s here).
     """
     target = _pip_install_target(tmp_path, {"CC": "/bin/false", "LDSHARED": "/bin/false"})
-    assert not list(target.rglob("_fstats*.so")) and (target / "picklehooks" / "_native.py").exists()
-    assert _import_from(target) == ["False", "None\n"]
+    assert not list(target.rglob("_fstats*.so")) and not list(target.rglob("_fkernels*.so"))
+    assert (target / "picklehooks" / "_native.py").exists()
+    assert _import_from(target) == ["Python", "False", "None\n"]
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
 def test_installs_with_the_extension_where_there_is_a_compiler(tmp_path):
     """The same install with the compiler builds and loads the extension (slow-ish: it compiles, ~8 s here)."""
     target = _pip_install_target(tmp_path, {})
-    assert list(target.rglob("_fstats*.so"))
-    available, result = _import_from(target)
+    assert list(target.rglob("_fstats*.so")) and list(target.rglob("_fkernels*.so"))
+    kernel, available, result = _import_from(target)
+    assert kernel == "C"  # built as plain C, registered through libtorch's C shim: no torch headers
     # [1, 3]: mean 2, std 1, min 1, max 3, absmax 3, norm sqrt(10), no NaN/Inf/zeros
     assert available == "True"
     assert_matches(ast.literal_eval(result), [2.0, 1.0, 1.0, 3.0, 3.0, math.sqrt(10), 0.0, 0.0, 0.0])
