@@ -115,8 +115,15 @@ def traced_records(monkeypatch, shortcut: bool):
                       lambda *args, real=_ops._tap_below_autograd: below.append(args[1]) or real(*args))
         with torch.no_grad(), picklehooks.record() as log:
             out = traced(x)
+    want = {}  # ground truth: each submodule's output, by plain hooks on the un-instrumented copy
+    for name, module in plain.named_children():
+        module.register_forward_hook(lambda m, args, output, name=name: want.setdefault(name, output.clone()))
     with torch.no_grad():
         torch.testing.assert_close(out, plain(x), rtol=0, atol=0)
+    got = {r.module: r.tensor for r in log.records}
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
     return log, below
 
 
