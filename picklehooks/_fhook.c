@@ -4,7 +4,8 @@
  *   forward_lane(module, output, flags) -> None, or NotImplemented
  *       _hookrt.forward's eager body for an output that needs no gradient hook: None when the
  *       hook is done (nothing records, or the value was recorded through the row lane or
- *       log._add_tensor) and returns None; NotImplemented, having done nothing, for anything
+ *       log._add_tensor, with the none bit: no gradient of it will be recorded to pair with it)
+ *       and returns None; NotImplemented, having done nothing, for anything
  *       else (the output is not exactly a torch.Tensor, a guard, no value asked for, a gradient
  *       hook needed, a checkpoint's recomputation, no name on the module), and _hookrt.forward
  *       goes on in Python.
@@ -34,22 +35,22 @@ static PyObject *GRAPH_TASK_ID;  /* torch._C._current_graph_task_id: -1 outside 
 static PyObject *TENSOR;         /* torch.Tensor: the one output type forward_lane takes */
 static PyObject *NAME_ATTR;      /* "_picklehooks_name" */
 static PyObject *FALLBACK;       /* fallback(name, kind, path, flags, grad): the Python recorder */
-static long VALUE_BIT, GRAD_BIT, GUARD_BIT;
+static long VALUE_BIT, GRAD_BIT, GUARD_BIT, NONE_BIT;
 
 static PyObject *S_add_tensor, *S_requires_grad, *S_output, *S_empty;
 
 static PyObject *fhook_configure(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *names[] = {"recording", "active", "graph_task_id", "tensor", "name_attr", "fallback",
-                            "value_bit", "grad_bit", "guard_bit", NULL};
+                            "value_bit", "grad_bit", "guard_bit", "none_bit", NULL};
     PyObject *recording, *active, *graph_task_id, *tensor, *name_attr, *fallback;
-    long value_bit, grad_bit, guard_bit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!OOO!UOlll:configure_hooks", names, &PyList_Type, &recording,
+    long value_bit, grad_bit, guard_bit, none_bit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!OOO!UOllll:configure_hooks", names, &PyList_Type, &recording,
                                      &active, &graph_task_id, &PyType_Type, &tensor, &name_attr, &fallback,
-                                     &value_bit, &grad_bit, &guard_bit))
+                                     &value_bit, &grad_bit, &guard_bit, &none_bit))
         return NULL;
     if (!PyContextVar_CheckExact(active) || !PyCallable_Check(graph_task_id) || !PyCallable_Check(fallback) ||
-        value_bit <= 0 || grad_bit <= 0 || guard_bit <= 0) {
+        value_bit <= 0 || grad_bit <= 0 || guard_bit <= 0 || none_bit <= 0) {
         PyErr_SetString(PyExc_TypeError, "configure_hooks: active must be a ContextVar, graph_task_id and fallback "
                                          "callable, the bits positive");
         return NULL;
@@ -63,10 +64,12 @@ static PyObject *fhook_configure(PyObject *self, PyObject *args, PyObject *kwarg
     VALUE_BIT = value_bit;
     GRAD_BIT = grad_bit;
     GUARD_BIT = guard_bit;
+    NONE_BIT = none_bit;
     Py_RETURN_NONE;
 }
 
-/* Record x in log: the row lane, or log._add_tensor where it declines. 0, or -1 with an error. */
+/* Record x in log: the row lane, or log._add_tensor where it declines (flags_obj: flags as an int
+ * object, or NULL to make one for it). 0, or -1 with an error. */
 static int record(PyObject *log, PyObject *name, PyObject *kind, PyObject *path, PyObject *x, long flags,
                   PyObject *flags_obj) {
     PyObject *took = frow_add_row(log, name, kind, path, x, flags);
@@ -74,8 +77,11 @@ static int record(PyObject *log, PyObject *name, PyObject *kind, PyObject *path,
     int done = took == Py_True;
     Py_DECREF(took);
     if (done) return 0;
-    PyObject *args[6] = {log, name, kind, path, x, flags_obj};
+    PyObject *own = flags_obj ? Py_NewRef(flags_obj) : PyLong_FromLong(flags);
+    if (!own) return -1;
+    PyObject *args[6] = {log, name, kind, path, x, own};
     PyObject *result = PyObject_VectorcallMethod(S_add_tensor, args, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(own);
     Py_XDECREF(result);
     return result ? 0 : -1;
 }
@@ -129,7 +135,8 @@ static PyObject *fhook_forward_lane(PyObject *self, PyObject *const *args, Py_ss
         result = Py_NewRef(Py_NotImplemented);
         goto done;
     }
-    if (record(log, name, S_output, S_empty, output, flags, flags_obj) == 0) result = Py_NewRef(Py_None);
+    /* No gradient hook on this value (the lane takes none that needs one): none will pair with it. */
+    if (record(log, name, S_output, S_empty, output, flags | NONE_BIT, NULL) == 0) result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(log);
     Py_XDECREF(name);
@@ -226,7 +233,8 @@ static PyTypeObject GradRecorderType = {
 PyMethodDef fhook_methods[] = {
     {"configure_hooks", (PyCFunction)(void (*)(void))fhook_configure, METH_VARARGS | METH_KEYWORDS,
      "configure_hooks(*, recording, active, graph_task_id, tensor, name_attr, fallback, value_bit, grad_bit,\n"
-     "                guard_bit): what forward_lane and GradRecorder check and call (see the module's source)."},
+     "                guard_bit, none_bit): what forward_lane and GradRecorder check and call (see the\n"
+     "                module's source)."},
     {"forward_lane", (PyCFunction)(void (*)(void))fhook_forward_lane, METH_FASTCALL,
      "forward_lane(module, output, flags) -> None when the eager forward hook is done, else NotImplemented."},
     {NULL, NULL, 0, NULL},

@@ -12,7 +12,7 @@
  *
  * False means nothing was done (no call numbered, no copy counted, no row),
  * and the caller goes on to Log._add_tensor's Python path: statistics and a
- * copy both (mode="both"), tracing's gradient flags, a log keeping live
+ * copy both (mode="both"), a log keeping live
  * values, a tensor that isn't exactly torch.Tensor or nn.Parameter, a tensor
  * without a shape (nested); for statistics, another dtype or device, a
  * negative-bit view, storage data_ptr() can't give, an empty tensor, and
@@ -28,9 +28,11 @@
  *   (module, kind, path, call, log.step, x.shape, x.dtype, stats or None,
  *    None, copy or None, None)
  * appended to log._rows: exactly the tuple Log._add_tensor appends.
- * expect is picklehooks.log._expects_grad for an eager value: for a kind in
- * the paired set, SURE if x requires grad, else 0 with grad mode on and MAYBE
- * with it off; 0 for other kinds. The Python side (picklehooks/_native.py
+ * expect is picklehooks.log._expects_grad: for a kind in the paired set, SURE
+ * where flags has the sure bit, 0 where it has the none bit (set by tracing,
+ * and by the eager hooks, which know whether they hook x's gradient), else
+ * SURE if x requires grad, 0 with grad mode on and MAYBE with it off; 0 for
+ * other kinds. The Python side (picklehooks/_native.py
  * for the tensor, picklehooks/log.py for the row) passes every name and
  * constant to configure(), so none is spelled twice.
  *
@@ -54,8 +56,8 @@ static PyObject *STRIDED;       /* torch.strided */
 static PyObject *ONE;           /* 1 */
 static PyObject *FORWARD_OF;    /* dict: gradient kind -> the forward kind it pairs with */
 static Py_ssize_t MAYBE_TRIM, MAYBE_KEPT; /* a MAYBE list longer than TRIM keeps its last KEPT calls */
-/* The bits that ask for statistics and for a copy; bits that need Python. */
-static long STATS_BIT, TENSOR_BIT, PYTHON_BITS;
+/* The bits that ask for statistics and for a copy; those that say a gradient will come, or won't. */
+static long STATS_BIT, TENSOR_BIT, SURE_BIT, NONE_BIT;
 
 static PyObject *S_keep_graph, *S_dtype, *S_is_cpu, *S_is_neg, *S_data_ptr, *S_shape, *S_stride,
     *S_rows, *S_step, *S_requires_grad, *S_layout, *S_detach, *S_is_contiguous, *S_clone, *S_contiguous, *S_nbytes,
@@ -95,15 +97,15 @@ static int intern_names(void) {
 static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *names[] = {"types", "codes", "kernel", "soft_errors", "grad_enabled", "strided", "paired", "sure",
-                            "maybe", "none", "stats_bit", "tensor_bit", "python_bits", "forward_of", "maybe_trim",
+                            "maybe", "none", "stats_bit", "tensor_bit", "sure_bit", "none_bit", "forward_of", "maybe_trim",
                             "maybe_kept", NULL};
     PyObject *types, *codes, *kernel, *soft, *grad_enabled, *strided, *paired, *sure, *maybe, *none, *forward_of;
-    long stats_bit, tensor_bit, python_bits;
+    long stats_bit, tensor_bit, sure_bit, none_bit;
     Py_ssize_t maybe_trim, maybe_kept;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOlllO!nn:configure", names, &PyTuple_Type, &types,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!O!OOOOO!OOOllllO!nn:configure", names, &PyTuple_Type, &types,
                                      &PyDict_Type, &codes, &kernel, &soft, &grad_enabled, &strided,
                                      &PyFrozenSet_Type, &paired, &sure, &maybe, &none, &stats_bit, &tensor_bit,
-                                     &python_bits, &PyDict_Type, &forward_of, &maybe_trim, &maybe_kept))
+                                     &sure_bit, &none_bit, &PyDict_Type, &forward_of, &maybe_trim, &maybe_kept))
         return NULL;
     if (maybe_kept < 0 || maybe_trim < maybe_kept) {
         PyErr_SetString(PyExc_ValueError, "configure: need 0 <= maybe_kept <= maybe_trim");
@@ -115,9 +117,9 @@ static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs
             return NULL;
         }
     }
-    if (!PyCallable_Check(kernel) || !PyCallable_Check(grad_enabled) || stats_bit <= 0 || tensor_bit <= 0) {
-        PyErr_SetString(PyExc_TypeError,
-                        "configure: kernel and grad_enabled must be callable, stats_bit and tensor_bit positive");
+    if (!PyCallable_Check(kernel) || !PyCallable_Check(grad_enabled) || stats_bit <= 0 || tensor_bit <= 0 ||
+        sure_bit <= 0 || none_bit <= 0) {
+        PyErr_SetString(PyExc_TypeError, "configure: kernel and grad_enabled must be callable, the bits positive");
         return NULL;
     }
     set_ref(&TYPES, types);
@@ -135,7 +137,8 @@ static PyObject *frow_configure(PyObject *self, PyObject *args, PyObject *kwargs
     MAYBE_KEPT = maybe_kept;
     STATS_BIT = stats_bit;
     TENSOR_BIT = tensor_bit;
-    PYTHON_BITS = python_bits;
+    SURE_BIT = sure_bit;
+    NONE_BIT = none_bit;
     Py_RETURN_NONE;
 }
 
@@ -345,7 +348,7 @@ static PyObject *copy_of(PyObject *x, int requires_grad) {
 PyObject *frow_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject *path, PyObject *x, long flags) {
     int want_stats = (flags & STATS_BIT) != 0, want_copy = (flags & TENSOR_BIT) != 0;
     /* Exactly one of statistics and a copy; both (mode="both") take the Python path. */
-    if (!TYPES || want_stats == want_copy || (flags & PYTHON_BITS) || !frow_handled_type(x)) Py_RETURN_FALSE;
+    if (!TYPES || want_stats == want_copy || !frow_handled_type(x)) Py_RETURN_FALSE;
 
     PyObject *dtype = NULL, *shape = NULL, *flag = NULL, *stats = NULL, *copy = NULL, *call = NULL, *step = NULL,
              *rows = NULL, *row = NULL, *nbytes = NULL, *result = NULL;
@@ -374,7 +377,9 @@ PyObject *frow_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject
     PyObject *expect = NONE_EXPECTED; /* borrowed */
     int paired = PySet_Contains(PAIRED, kind);
     if (paired < 0) goto done;
-    if (paired && requires_grad) {
+    if (paired && (flags & (SURE_BIT | NONE_BIT))) {
+        expect = flags & SURE_BIT ? SURE : NONE_EXPECTED;
+    } else if (paired && requires_grad) {
         expect = SURE;
     } else if (paired) {
         if (!(flag = PyObject_CallNoArgs(GRAD_ENABLED))) goto done;
@@ -428,7 +433,8 @@ static PyObject *frow_add_row_py(PyObject *self, PyObject *const *args, Py_ssize
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))frow_configure, METH_VARARGS | METH_KEYWORDS,
      "configure(*, types, codes, kernel, soft_errors, grad_enabled, strided, paired, sure, maybe, none,\n"
-     "          stats_bit, tensor_bit, python_bits): what add_row checks and writes (see the module's source)."},
+     "          stats_bit, tensor_bit, sure_bit, none_bit, forward_of, maybe_trim, maybe_kept): what add_row\n"
+     "          checks and writes (see the module's source)."},
     {"add_row", (PyCFunction)(void (*)(void))frow_add_row_py, METH_FASTCALL,
      "add_row(log, module, kind, path, x, flags) -> bool: record x's statistics or a copy of it as\n"
      "Log._add_tensor would, or return False having done nothing."},

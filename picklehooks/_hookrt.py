@@ -60,6 +60,9 @@ _active_log = _state._ACTIVE.get  # the log recording in this context (the host'
 _PLAIN = _ops._PLAIN  # tensor types recorded as they are (not a DTensor's shard)
 # Flag bits as globals: the eager path, once per recorded value, reads them without an attribute lookup.
 _VALUE, _GRAD, _GUARD = _ops.VALUE, _ops.GRAD, _ops.GUARD
+# What the eager path adds to a value's flags for the log: it knows whether it hooks the value's
+# gradient, so the log pairs that gradient with this call (or keeps nothing waiting for one).
+_GRAD_SURE, _GRAD_NONE = _ops.GRAD_SURE, _ops.GRAD_NONE
 
 
 def _tracing() -> bool:
@@ -133,7 +136,7 @@ class _PyGradRecorder:
 # leaves the rest to _record_grad. None, and the Python recorder, where the extension is off.
 _lanes = _native.hook_lane(recording=_state._ANYWHERE, active=_state._ACTIVE, graph_task_id=_graph_task_id,
                            name_attr="_picklehooks_name", fallback=_record_grad, value_bit=_ops.VALUE,
-                           grad_bit=_ops.GRAD, guard_bit=_ops.GUARD)
+                           grad_bit=_ops.GRAD, guard_bit=_ops.GUARD, none_bit=_ops.GRAD_NONE)
 _forward_lane, _GradRecorder = _lanes if _lanes is not None else (None, _PyGradRecorder)
 
 
@@ -228,13 +231,14 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         log = None
     elif log is None and not flags & _GUARD:
         return x
-    if log is not None and flags & _VALUE:
-        if type(x) in _PLAIN:
-            log._add_tensor(name, kind, path, x, flags)
+    if log is not None and flags & (_VALUE | _GRAD):
+        known = flags | (_GRAD_SURE if flags & _GRAD and x.requires_grad else _GRAD_NONE)  # hooked below, or not
+        if not flags & _VALUE:
+            log._note_call(name, kind, path, x, known)
+        elif type(x) in _PLAIN:
+            log._add_tensor(name, kind, path, x, known)
         else:
-            _ops.record_tensor(log, name, kind, path, x, flags)  # a DTensor (tensor parallelism): its shard
-    elif log is not None and flags & _GRAD:
-        log._note_call(name, kind, path, x)
+            _ops.record_tensor(log, name, kind, path, x, known)  # a DTensor (tensor parallelism): its shard
     if flags & (_GRAD | _GUARD) and x.requires_grad:
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if inputs is None or x.is_leaf or any(x is i for i in inputs):
@@ -443,7 +447,7 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     if flags & (_VALUE | _GUARD) == _VALUE:  # nothing to check or hook: record the value, if a log records here
         log = _active_log()
         if log is not None and _graph_task_id() == -1:  # not a checkpoint's recomputation (see _eager_tap)
-            log._add_tensor(name, "output", "", output, flags)
+            log._add_tensor(name, "output", "", output, flags | _GRAD_NONE)  # no gradient hooked
             return None
     return _eager_tap(output, name, "output", "", flags, inputs)
 

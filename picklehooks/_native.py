@@ -149,24 +149,28 @@ else:
 
 
 def row_lane(*, paired: frozenset, sure: int, maybe: int, none: int, stats_bit: int, tensor_bit: int,
-             python_bits: int, forward_of: dict, maybe_trim: int, maybe_kept: int):
+             sure_bit: int, none_bit: int, forward_of: dict, maybe_trim: int, maybe_kept: int):
     """``_frow.add_row``, configured with the row format's constants, or ``None`` where it's off.
 
     ``picklehooks.log`` calls this once at import with its own constants:
     ``paired`` kinds await a gradient, ``sure``/``maybe``/``none`` are what
     ``_next_call`` takes as ``expect``, ``stats_bit`` and ``tensor_bit`` are
-    the flags asking for statistics and for a copy, ``python_bits`` the flags
-    that need ``Log._add_tensor``'s Python path; ``forward_of``, ``maybe_trim`` and
+    the flags asking for statistics and for a copy, ``sure_bit`` and ``none_bit``
+    the flags saying a value's gradient will be recorded or won't (which decide
+    ``expect`` where set, as in ``_expects_grad``); ``forward_of``, ``maybe_trim`` and
     ``maybe_kept`` are ``_next_call``'s, which the lane does in C (``_frow.next_call``).
     The tensor side (types, dtype codes, kernel, soft errors) is
     this module's, so both paths check tensors alike.
     """
     if not AVAILABLE or _frow is None:
         return None
-    _frow.configure(types=tuple(_PLAIN), codes=_CODES, kernel=_kernel, soft_errors=_SOFT_ERRORS,
-                    grad_enabled=torch.is_grad_enabled, strided=torch.strided, paired=paired, sure=sure,
-                    maybe=maybe, none=none, stats_bit=stats_bit, tensor_bit=tensor_bit, python_bits=python_bits,
-                    forward_of=forward_of, maybe_trim=maybe_trim, maybe_kept=maybe_kept)
+    try:
+        _frow.configure(types=tuple(_PLAIN), codes=_CODES, kernel=_kernel, soft_errors=_SOFT_ERRORS,
+                        grad_enabled=torch.is_grad_enabled, strided=torch.strided, paired=paired, sure=sure,
+                        maybe=maybe, none=none, stats_bit=stats_bit, tensor_bit=tensor_bit, sure_bit=sure_bit,
+                        none_bit=none_bit, forward_of=forward_of, maybe_trim=maybe_trim, maybe_kept=maybe_kept)
+    except TypeError:  # a stale build of the extension, with another configure(): counts as none
+        return None
     return _frow.add_row
 
 
@@ -192,7 +196,7 @@ def record_builder(record: type, dtype_name):
 
 
 def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallback, value_bit: int, grad_bit: int,
-              guard_bit: int):
+              guard_bit: int, none_bit: int):
     """``(_frow.forward_lane, _frow.GradRecorder)``, configured, or ``None`` where the lanes are off.
 
     :mod:`picklehooks._hookrt` calls this once at import with its own state
@@ -201,15 +205,19 @@ def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallbac
     ``graph_task_id`` autograd's current graph task (-1 outside backward),
     ``name_attr`` the attribute naming an instrumented module, ``fallback``
     the Python gradient recorder ``(name, kind, path, flags, grad)``, and the
-    flag bits. Both lanes record through :func:`row_lane`'s ``add_row``, so
+    flag bits (``none_bit``: what the forward lane adds to a value it records,
+    none of whose gradients it hooks). Both lanes record through :func:`row_lane`'s ``add_row``, so
     this needs :func:`row_lane` called first (``picklehooks.log`` does, on
     import); before that they hand everything to Python.
     """
     if not AVAILABLE or _frow is None or not hasattr(_frow, "forward_lane"):
         return None
-    _frow.configure_hooks(recording=recording, active=active, graph_task_id=graph_task_id, tensor=torch.Tensor,
-                          name_attr=name_attr, fallback=fallback, value_bit=value_bit, grad_bit=grad_bit,
-                          guard_bit=guard_bit)
+    try:
+        _frow.configure_hooks(recording=recording, active=active, graph_task_id=graph_task_id, tensor=torch.Tensor,
+                              name_attr=name_attr, fallback=fallback, value_bit=value_bit, grad_bit=grad_bit,
+                              guard_bit=guard_bit, none_bit=none_bit)
+    except TypeError:  # a stale build of the extension, with another configure_hooks(): counts as none
+        return None
     return _frow.forward_lane, _frow.GradRecorder
 
 

@@ -199,12 +199,13 @@ _MAYBE_TRIM = 2 * _MAYBE_KEPT
 def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
     """Whether a gradient will come back for this forward value: pairs it with its call.
 
-    :data:`_SURE` where the tensor requires grad, or where tracing saw it did
-    (``flags``: :data:`~picklehooks._ops.GRAD_SURE`, set by ``torch.compile``
-    and ``torch.export``, whose forward runs without autograd); 0 where tracing
-    saw it didn't; otherwise, with autograd off, :data:`_MAYBE` (an older
-    compiled graph; a ``no_grad`` call in eager mode looks the same, so
-    gradients pair with the sure calls first).
+    ``flags`` decide where they say (:data:`~picklehooks._ops.GRAD_SURE`: :data:`_SURE`,
+    :data:`~picklehooks._ops.GRAD_NONE`: 0): ``torch.compile`` and ``torch.export``
+    set them from what tracing saw (their forward runs without autograd), and
+    the eager hooks from whether they hook this value's gradient. Otherwise
+    :data:`_SURE` where the tensor requires grad, 0 where it doesn't with autograd
+    on, and :data:`_MAYBE` with autograd off (a graph traced by an older version,
+    or by ``jit.trace``), so gradients pair with the sure calls first.
     """
     if kind not in _PAIRED:
         return 0
@@ -216,7 +217,7 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
 _PAIRED = frozenset(_FORWARD_OF.values())
 # Log._add_tensor's common cases in one C call (see picklehooks._native.row_lane), or None.
 _add_row = _native.row_lane(paired=_PAIRED, sure=_SURE, maybe=_MAYBE, none=0, stats_bit=STATS, tensor_bit=TENSOR,
-                            python_bits=GRAD_SURE | GRAD_NONE, forward_of=_FORWARD_OF, maybe_trim=_MAYBE_TRIM,
+                            sure_bit=GRAD_SURE, none_bit=GRAD_NONE, forward_of=_FORWARD_OF, maybe_trim=_MAYBE_TRIM,
                             maybe_kept=_MAYBE_KEPT)
 # Layouts recorded as their dense values (Log._add_tensor); torch.strided and nested tensors are as they are.
 _DENSIFIED = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc,

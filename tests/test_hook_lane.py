@@ -225,3 +225,31 @@ def test_errors_in_recording_reach_the_caller(monkeypatch):
         monkeypatch.setattr(log, "keep_graph", False)
         with pytest.raises(TypeError, match="_calls is not a dict"):
             _hookrt._forward_lane(module, x, _ops.VALUE | _ops.STATS)
+
+
+@pytest.mark.parametrize("lanes", ["C", "Python"])
+@pytest.mark.parametrize("scenario", ["stats", "tensor", "outputs only"])
+def test_eager_inference_keeps_nothing_waiting_for_gradients(monkeypatch, lanes, scenario):
+    """The eager hooks know whether they hook a value's gradient: a no_grad forward leaves no call
+    waiting for one (an inference loop under one log kept up to 8192 per module before), and the
+    gradients of a later training step pair with that step's own calls."""
+    if lanes == "Python":
+        use_python_lanes(monkeypatch)
+    torch.manual_seed(0)
+    model = Block()
+    picklehooks.instrument(model, **SCENARIOS[scenario])
+    x = torch.randn(3, 8)
+    with picklehooks.record() as log:
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        assert not any(log._maybe_grad.values()) and not any(log._awaiting_grad.values())
+        inference = len(log.records)
+        model(x).pow(2).sum().backward()
+    assert not any(log._maybe_grad.values()) and not any(log._awaiting_grad.values())
+    training = log.records[inference:]
+    outputs = {(r.module, r.path, r.call) for r in training if r.kind == "output"}
+    grads = [(r.module, r.path, r.call) for r in training if r.kind == "grad_output"]
+    assert outputs and min(call for _, _, call in outputs) >= 3  # every module ran 3 times before
+    assert len(grads) == (0 if scenario == "outputs only" else len(outputs))
+    assert set(grads) <= outputs

@@ -179,9 +179,6 @@ def test_a_copy_does_not_follow_later_changes():
 
 @pytest.mark.parametrize("flags, keep_graph", [
     (STATS | _ops.TENSOR, False),  # mode="both": keeps a copy too
-    (STATS | _ops.GRAD_SURE, False),  # what tracing saw decides the pairing
-    (STATS | _ops.GRAD_NONE, False),
-    (COPY | _ops.GRAD_SURE, False),
     (STATS, True),  # record(keep_graph=True) keeps the live value
     (COPY, True),
 ])
@@ -190,6 +187,23 @@ def test_other_records_go_to_the_python_path(monkeypatch, flags, keep_graph):
     a, b, handled = record_twice(monkeypatch, x, "output", flags, keep_graph=keep_graph)
     assert handled is False
     assert_same_logs(a, b)
+
+
+@pytest.mark.parametrize("bit, waiting", [(_ops.GRAD_SURE, "sure"), (_ops.GRAD_NONE, None)])
+@pytest.mark.parametrize("store", [STATS, COPY], ids=["stats", "copy"])
+@pytest.mark.parametrize("requires_grad", [True, False])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad mode", "no_grad"])
+def test_the_gradient_bits_decide_the_pairing(monkeypatch, bit, waiting, store, requires_grad, grad):
+    """GRAD_SURE / GRAD_NONE (set by tracing, and by the eager hooks, which know whether they hook the
+    value's gradient) decide what waits for a gradient, whatever the tensor and grad mode say: in the
+    lane as in Python."""
+    x = torch.randn(4, 5, requires_grad=requires_grad)
+    a, b, handled = record_twice(monkeypatch, x, "output", store | bit, grad=grad)
+    assert handled
+    assert_same_logs(a, b)
+    key = ("m", "output", "0")
+    assert a._awaiting_grad == ({key: [0, 1]} if waiting == "sure" else {})
+    assert a._maybe_grad == {}
 
 
 def test_an_error_in_numbering_propagates():
