@@ -4,8 +4,8 @@
  *   forward_lane(module, output, flags) -> None, or NotImplemented
  *       _hookrt.forward's eager body for an output that needs no gradient hook: None when the
  *       hook is done (nothing records, or the value was recorded through the row lane or
- *       log._add_tensor, with the none bit: no gradient of it will be recorded to pair with it)
- *       and returns None; NotImplemented, having done nothing, for anything
+ *       log._add_tensor; an output that requires grad with the none bit, since the lane hooks
+ *       no gradient) and returns None; NotImplemented, having done nothing, for anything
  *       else (the output is not exactly a torch.Tensor, a guard, no value asked for, a gradient
  *       hook needed, a checkpoint's recomputation, no name on the module), and _hookrt.forward
  *       goes on in Python.
@@ -106,13 +106,11 @@ static PyObject *fhook_forward_lane(PyObject *self, PyObject *const *args, Py_ss
     if (PyList_GET_SIZE(RECORDING) == 0 && !(flags & GUARD_BIT)) Py_RETURN_NONE; /* nothing records */
     if ((PyObject *)Py_TYPE(output) != TENSOR || (flags & (VALUE_BIT | GUARD_BIT)) != VALUE_BIT)
         Py_RETURN_NOTIMPLEMENTED;
-    if (flags & GRAD_BIT) {
-        PyObject *requires_grad = PyObject_GetAttr(output, S_requires_grad);
-        if (!requires_grad) return NULL;
-        int hooked = requires_grad == Py_True;
-        Py_DECREF(requires_grad);
-        if (hooked) Py_RETURN_NOTIMPLEMENTED; /* its gradient needs a hook: Python */
-    }
+    PyObject *requires_grad = PyObject_GetAttr(output, S_requires_grad);
+    if (!requires_grad) return NULL;
+    int grad_flows = requires_grad == Py_True;
+    Py_DECREF(requires_grad);
+    if (grad_flows && (flags & GRAD_BIT)) Py_RETURN_NOTIMPLEMENTED; /* its gradient needs a hook: Python */
     PyObject *log = active_log(), *name = NULL, *result = NULL;
     if (!log) return NULL;
     if (log == Py_None) { /* another thread records, this one doesn't */
@@ -135,8 +133,11 @@ static PyObject *fhook_forward_lane(PyObject *self, PyObject *const *args, Py_ss
         result = Py_NewRef(Py_NotImplemented);
         goto done;
     }
-    /* No gradient hook on this value (the lane takes none that needs one): none will pair with it. */
-    if (record(log, name, S_output, S_empty, output, flags | NONE_BIT, NULL) == 0) result = Py_NewRef(Py_None);
+    /* A gradient that flows here isn't hooked (the lane takes no value that needs a hook): none will
+     * pair with this call. One that doesn't flow now may still come (reentrant checkpointing runs the
+     * forward under no_grad and recomputes it for backward): add_row decides that as for any value. */
+    if (record(log, name, S_output, S_empty, output, grad_flows ? flags | NONE_BIT : flags, NULL) == 0)
+        result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(log);
     Py_XDECREF(name);

@@ -60,8 +60,10 @@ _active_log = _state._ACTIVE.get  # the log recording in this context (the host'
 _PLAIN = _ops._PLAIN  # tensor types recorded as they are (not a DTensor's shard)
 # Flag bits as globals: the eager path, once per recorded value, reads them without an attribute lookup.
 _VALUE, _GRAD, _GUARD = _ops.VALUE, _ops.GRAD, _ops.GUARD
-# What the eager path adds to a value's flags for the log: it knows whether it hooks the value's
-# gradient, so the log pairs that gradient with this call (or keeps nothing waiting for one).
+# What the eager path adds to the flags of a value that requires grad: whether it hooks the value's
+# gradient, so that the log pairs that gradient with this call or keeps nothing waiting for one. (A
+# value that doesn't require grad gets neither: under no_grad, reentrant checkpointing's recomputation
+# may still deliver its gradient, which the log's "maybe" calls are for.)
 _GRAD_SURE, _GRAD_NONE = _ops.GRAD_SURE, _ops.GRAD_NONE
 
 
@@ -232,7 +234,7 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     elif log is None and not flags & _GUARD:
         return x
     if log is not None and flags & (_VALUE | _GRAD):
-        known = flags | (_GRAD_SURE if flags & _GRAD and x.requires_grad else _GRAD_NONE)  # hooked below, or not
+        known = (flags | (_GRAD_SURE if flags & _GRAD else _GRAD_NONE)) if x.requires_grad else flags  # hooked below?
         if not flags & _VALUE:
             log._note_call(name, kind, path, x, known)
         elif type(x) in _PLAIN:
@@ -447,7 +449,8 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     if flags & (_VALUE | _GUARD) == _VALUE:  # nothing to check or hook: record the value, if a log records here
         log = _active_log()
         if log is not None and _graph_task_id() == -1:  # not a checkpoint's recomputation (see _eager_tap)
-            log._add_tensor(name, "output", "", output, flags | _GRAD_NONE)  # no gradient hooked
+            # Its gradient, if any, isn't hooked (GRAD isn't asked for, or output doesn't require grad).
+            log._add_tensor(name, "output", "", output, flags | _GRAD_NONE if output.requires_grad else flags)
             return None
     return _eager_tap(output, name, "output", "", flags, inputs)
 

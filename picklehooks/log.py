@@ -202,10 +202,11 @@ def _expects_grad(kind: str, x: torch.Tensor, flags: int = 0) -> int:
     ``flags`` decide where they say (:data:`~picklehooks._ops.GRAD_SURE`: :data:`_SURE`,
     :data:`~picklehooks._ops.GRAD_NONE`: 0): ``torch.compile`` and ``torch.export``
     set them from what tracing saw (their forward runs without autograd), and
-    the eager hooks from whether they hook this value's gradient. Otherwise
-    :data:`_SURE` where the tensor requires grad, 0 where it doesn't with autograd
-    on, and :data:`_MAYBE` with autograd off (a graph traced by an older version,
-    or by ``jit.trace``), so gradients pair with the sure calls first.
+    the eager hooks, for a value that requires grad, from whether they hook its
+    gradient. Otherwise :data:`_SURE` where the tensor requires grad, 0 where it
+    doesn't with autograd on, and :data:`_MAYBE` with autograd off: a graph traced
+    by an older version, and an eager forward under ``no_grad``, which reentrant
+    checkpointing recomputes for backward; gradients pair with the sure calls first.
     """
     if kind not in _PAIRED:
         return 0
