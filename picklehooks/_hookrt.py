@@ -234,7 +234,8 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     elif log is None and not flags & _GUARD:
         return x
     if log is not None and flags & (_VALUE | _GRAD):
-        known = (flags | (_GRAD_SURE if flags & _GRAD else _GRAD_NONE)) if x.requires_grad else flags  # hooked below?
+        # A gradient that flows here is hooked below if GRAD is asked for, and then only.
+        known = (flags | (_GRAD_SURE if flags & _GRAD else _GRAD_NONE)) if x.requires_grad else flags
         if not flags & _VALUE:
             log._note_call(name, kind, path, x, known)
         elif type(x) in _PLAIN:
