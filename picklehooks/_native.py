@@ -205,10 +205,10 @@ def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallbac
     ``graph_task_id`` autograd's current graph task (-1 outside backward),
     ``name_attr`` the attribute naming an instrumented module, ``fallback``
     the Python gradient recorder ``(name, kind, path, flags, grad)``, and the
-    flag bits (``none_bit``: what the forward lane adds to a value it records,
-    none of whose gradients it hooks). Both lanes record through :func:`row_lane`'s ``add_row``, so
-    this needs :func:`row_lane` called first (``picklehooks.log`` does, on
-    import); before that they hand everything to Python.
+    flag bits (``none_bit``: what the forward lane adds to a value that requires
+    grad, since it hooks no gradient). Both lanes record through
+    :func:`row_lane`'s ``add_row``, so this needs :func:`row_lane` called first
+    (``picklehooks.log`` does, on import); before that they hand everything to Python.
     """
     if not AVAILABLE or _frow is None or not hasattr(_frow, "forward_lane"):
         return None

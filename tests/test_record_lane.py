@@ -194,9 +194,9 @@ def test_other_records_go_to_the_python_path(monkeypatch, flags, keep_graph):
 @pytest.mark.parametrize("requires_grad", [True, False])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad mode", "no_grad"])
 def test_the_gradient_bits_decide_the_pairing(monkeypatch, bit, waiting, store, requires_grad, grad):
-    """GRAD_SURE / GRAD_NONE (set by tracing, and by the eager hooks, which know whether they hook the
-    value's gradient) decide what waits for a gradient, whatever the tensor and grad mode say: in the
-    lane as in Python."""
+    """GRAD_SURE / GRAD_NONE (set by tracing, and by the eager hooks for a value that requires grad, as
+    they hook its gradient or not) decide what waits for a gradient, whatever the tensor and grad mode
+    say: in the lane as in Python."""
     x = torch.randn(4, 5, requires_grad=requires_grad)
     a, b, handled = record_twice(monkeypatch, x, "output", store | bit, grad=grad)
     assert handled
