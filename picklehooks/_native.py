@@ -164,13 +164,10 @@ def row_lane(*, paired: frozenset, sure: int, maybe: int, none: int, stats_bit: 
     """
     if not AVAILABLE or _frow is None:
         return None
-    try:
-        _frow.configure(types=tuple(_PLAIN), codes=_CODES, kernel=_kernel, soft_errors=_SOFT_ERRORS,
-                        grad_enabled=torch.is_grad_enabled, strided=torch.strided, paired=paired, sure=sure,
-                        maybe=maybe, none=none, stats_bit=stats_bit, tensor_bit=tensor_bit, sure_bit=sure_bit,
-                        none_bit=none_bit, forward_of=forward_of, maybe_trim=maybe_trim, maybe_kept=maybe_kept)
-    except TypeError:  # a stale build of the extension, with another configure(): counts as none
-        return None
+    _frow.configure(types=tuple(_PLAIN), codes=_CODES, kernel=_kernel, soft_errors=_SOFT_ERRORS,
+                    grad_enabled=torch.is_grad_enabled, strided=torch.strided, paired=paired, sure=sure,
+                    maybe=maybe, none=none, stats_bit=stats_bit, tensor_bit=tensor_bit, sure_bit=sure_bit,
+                    none_bit=none_bit, forward_of=forward_of, maybe_trim=maybe_trim, maybe_kept=maybe_kept)
     return _frow.add_row
 
 
@@ -212,12 +209,9 @@ def hook_lane(*, recording: list, active, graph_task_id, name_attr: str, fallbac
     """
     if not AVAILABLE or _frow is None or not hasattr(_frow, "forward_lane"):
         return None
-    try:
-        _frow.configure_hooks(recording=recording, active=active, graph_task_id=graph_task_id, tensor=torch.Tensor,
-                              name_attr=name_attr, fallback=fallback, value_bit=value_bit, grad_bit=grad_bit,
-                              guard_bit=guard_bit, none_bit=none_bit)
-    except TypeError:  # a stale build of the extension, with another configure_hooks(): counts as none
-        return None
+    _frow.configure_hooks(recording=recording, active=active, graph_task_id=graph_task_id, tensor=torch.Tensor,
+                          name_attr=name_attr, fallback=fallback, value_bit=value_bit, grad_bit=grad_bit,
+                          guard_bit=guard_bit, none_bit=none_bit)
     return _frow.forward_lane, _frow.GradRecorder
 
 
