@@ -11,6 +11,7 @@ import picklehooks
 import picklehooks.distributed
 from tests import hooks
 from tests._ddp_worker import train
+from tests._workers import run_rank
 
 
 def test_ddp_two_ranks(tmp_path):
@@ -19,7 +20,7 @@ def test_ddp_two_ranks(tmp_path):
     picklehooks.instrument(model, capture=("output", "grad_output", "param"))
     out = tmp_path / "merged.json"
     # spawn pickles the instrumented model into each worker: the hooks travel by name.
-    mp.spawn(train, args=(2, str(tmp_path / "init"), model, str(out)), nprocs=2, join=True)
+    mp.spawn(run_rank, args=(train, 2, str(tmp_path / "init"), model, str(out)), nprocs=2, join=True)
     rows = json.loads(out.read_text())
     assert {r["rank"] for r in rows} == {0, 1}
     by_rank = {rank: [r for r in rows if r["rank"] == rank] for rank in (0, 1)}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 
 import pytest
 import torch
@@ -132,20 +131,11 @@ def fsdp_run(tmp_path_factory):
     if missing:
         pytest.skip(missing)
     from tests import _fsdp_worker
+    from tests._workers import run_rank
 
     tmp = tmp_path_factory.mktemp("fsdp")
     out = tmp / "result.pt"
-    for attempt in (1, 2):
-        try:
-            _spawn(_fsdp_worker.train, (2, str(tmp / f"init{attempt}"), str(out)), nprocs=2)
-            break
-        except mp.ProcessExitedException as e:
-            # A rank killed by a signal, not one whose checks failed (that raises ProcessRaisedException):
-            # on a loaded 2-core machine gloo has aborted a rank at start-up ("terminate called without
-            # an active exception"), twice in many runs. Once more, with a fresh rendezvous file.
-            if attempt == 2 or not e.signal_name:
-                raise
-            warnings.warn(f"FSDP ranks: {e}; running them once more", stacklevel=1)
+    _spawn(run_rank, (_fsdp_worker.train, 2, str(tmp / "init"), str(out)), nprocs=2)
     return torch.load(out, weights_only=False)
 
 
