@@ -22,7 +22,7 @@ independent samples ``J`` is block-diagonal and ``||J||_F^2`` is the sum of the
 samples' own squared norms; use a batch of one for one sample's Jacobian.
 
 Limits: eager mode (plain forward hooks; a scripted, FX or exported model's
-submodules aren't called as modules). A ``torch.compile``\ d model is
+submodules aren't called as modules). A ``torch.compile``-d model is
 differentiated through its original module (the same function and
 parameters, run eagerly). For scripted and FX models, record an instrumented
 model with ``picklehooks.record(keep_graph=True)`` and use
