@@ -46,7 +46,7 @@ never runs its own forward (``MultiheadAttention.out_proj``) records no
 
 Not ours, but seen here: on torch 2.13 a gloo process (DDP or FSDP2 on CPU)
 can abort as it exits, after its work is done ("terminate called without an
-active exception"), about one exit in four, with or without picklehooks and
+active exception"), in about one two-rank run in four, with or without picklehooks and
 even after ``destroy_process_group()``: a gloo thread releases a finished
 collective's tensors while the interpreter finalises (pytorch/pytorch#179291).
 Write results before exiting; the test workers leave with ``os._exit(0)``

@@ -16,7 +16,7 @@ def run_model(rank: int, model, queue) -> None:
 def run_rank(rank: int, fn, *args) -> None:
     """Run ``fn(rank, *args)`` in a spawned rank, then leave without finalising the interpreter.
 
-    On torch 2.13 a gloo rank aborts at exit about one run in four ("terminate called without an
+    On torch 2.13 one of two gloo ranks aborts at exit in about one run in four ("terminate called without an
     active exception", SIGABRT), with or without picklehooks: a gloo worker thread still holds a
     finished collective's work object, whose tensors' Python objects it releases only after the
     interpreter has begun to finalise; taking the GIL then ends the thread inside a C++ destructor
