@@ -54,8 +54,10 @@ Workloads: **forward** (under ``torch.no_grad()``) and **forward+backward**
 is ``.sum()`` of the output, or an HF model's ``.loss``). The HF section runs
 forward+backward only.
 
-Variants of ``mlp`` and ``transformer``, each on its own deep copy of the same
-initial model:
+Variants of ``mlp`` and ``transformer``, all on one model: each sample of a
+variant puts its hooks on the model, runs 10 untimed calls, is timed, and
+removes them again (deep copies of one model, one per variant, differ in speed
+among themselves by a few percent, an error that stays fixed for a whole run):
 
 1. un-instrumented (the baseline every ratio divides by);
 1b. a forward hook that does nothing on every module: the floor that any
@@ -103,7 +105,10 @@ baseline sample takes about 20 ms of wall clock) on two clocks at once: the
 CPU time of the benchmarking thread (``time.thread_time``) and the wall clock
 (``time.perf_counter``). Each round takes one sample of every variant, in an
 order that rotates each round; the garbage collector is off while sampling
-(and collects between rounds). Reported per variant: the median per call
+(and collects between rounds). On glibc the bench first pins malloc's trim and
+mmap thresholds (``pin_malloc``): with the defaults, whether the memory that
+copy-keeping variants free each call went back to the OS, to be faulted in
+again, depended on the heap's history, and moved those variants by up to 0.7×. Reported per variant: the median per call
 (thread time), the ratio of medians to the baseline on both clocks side by
 side, and the ratio of minimums on both clocks (other work on the machine only
 ever adds time). Thread time is the primary figure: on the shared machine
@@ -250,7 +255,8 @@ def naive_stats(t: torch.Tensor) -> dict:
     }
 
 
-def add_naive_hooks(model: nn.Module, store: list) -> None:
+def add_naive_hooks(model: nn.Module, store: list) -> list:
+    """Returns the hooks' handles."""
     def tensors(value):
         if isinstance(value, torch.Tensor):
             yield "", value
@@ -259,6 +265,7 @@ def add_naive_hooks(model: nn.Module, store: list) -> None:
                 if isinstance(v, torch.Tensor):
                     yield str(i), v
 
+    handles = []
     for name, module in model.named_modules():
         if name == "":
             continue
@@ -272,16 +279,17 @@ def add_naive_hooks(model: nn.Module, store: list) -> None:
                 if t is not None:
                     store.append((name, "grad_output", path, naive_stats(t)))
 
-        module.register_forward_hook(forward_hook)
-        module.register_full_backward_hook(backward_hook)
+        handles += [module.register_forward_hook(forward_hook), module.register_full_backward_hook(backward_hook)]
+    return handles
 
 
 def noop_hook(module, inputs, output):
     return None
 
 
-def add_copy_hooks(model: nn.Module, store: list) -> None:
-    """The least any recording does: copy every output (and, in backward, its gradient), nothing else."""
+def add_copy_hooks(model: nn.Module, store: list) -> list:
+    """The least any recording does: copy every output (and, in backward, its gradient), nothing else.
+    Returns the hooks' handles."""
     def keep_grad(grad):
         store.append(grad.clone())
 
@@ -291,14 +299,13 @@ def add_copy_hooks(model: nn.Module, store: list) -> None:
             if output.requires_grad:
                 output.register_hook(keep_grad)
 
-    for name, module in model.named_modules():
-        if name:
-            module.register_forward_hook(copy_hook)
+    return [module.register_forward_hook(copy_hook) for name, module in model.named_modules() if name]
 
 
-def add_native_hooks(model: nn.Module, store: list) -> None:
+def add_native_hooks(model: nn.Module, store: list) -> list:
     """The least recording statistics does: one native pass over every output and gradient, no
-    bookkeeping (on devices or builds without the native kernel it computes nothing)."""
+    bookkeeping (on devices or builds without the native kernel it computes nothing). Returns the
+    hooks' handles."""
     from picklehooks import _native
 
     def stats_of_grad(grad):
@@ -310,9 +317,7 @@ def add_native_hooks(model: nn.Module, store: list) -> None:
             if output.requires_grad:
                 output.register_hook(stats_of_grad)
 
-    for name, module in model.named_modules():
-        if name:
-            module.register_forward_hook(stats_hook)
+    return [module.register_forward_hook(stats_hook) for name, module in model.named_modules() if name]
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -379,14 +384,40 @@ def sample(fn: Callable[[], None], n: int, sync: Callable[[], None] | None) -> t
     return (t1 - t0) / n, (w1 - w0) / n
 
 
+Install = Callable[[], Callable[[], None]]  # puts a variant's hooks on the shared model; returns their undo
+
+
 def measure(variants: dict[str, Callable[[], None]], setup: Setup, rounds: int | None = None,
-            budget_s: float = 0.02, warmup: int = 3) -> Times:
-    """Per-call times of every variant on both clocks, ``rounds`` samples each, interleaved in rotating order."""
+            budget_s: float = 0.02, warmup: int = 3, installs: dict[str, Install] | None = None,
+            settle: int = 10) -> Times:
+    """Per-call times of every variant on both clocks, ``rounds`` samples each, interleaved in rotating order.
+
+    ``installs``: for variants that share one model, what puts each one's hooks on it. Such a
+    variant's every sample installs them, runs ``settle`` untimed calls, samples, and removes
+    them; with ``installs``, every other variant's samples also start with ``settle`` untimed
+    calls. (Right after ``instrument()`` and ``remove()``, the next calls of the plain model ran
+    up to 5% slower; ten calls were enough for that to pass.)
+    """
     rounds = setup.rounds if rounds is None else rounds
+    installs = installs or {}
     names = list(variants)
-    for fn in variants.values():  # warm-up (allocator, lazy init, TorchScript's profiling runs)
-        for _ in range(warmup):
-            fn()
+
+    def calls(name: str, count: int, timed: bool) -> tuple[float, float] | None:
+        undo = installs[name]() if name in installs else None
+        try:
+            for _ in range(settle if installs and timed else 0):
+                variants[name]()
+            if timed:
+                return sample(variants[name], count, setup.sync)
+            for _ in range(count):
+                variants[name]()
+            return None
+        finally:
+            if undo is not None:
+                undo()
+
+    for name in names:  # warm-up (allocator, lazy init, TorchScript's profiling runs)
+        calls(name, warmup, timed=False)
     if setup.sync is not None:
         setup.sync()
     base = min(sample(variants[names[0]], 5, setup.sync)[1] for _ in range(3))
@@ -398,7 +429,7 @@ def measure(variants: dict[str, Callable[[], None]], setup: Setup, rounds: int |
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                thread, wall = sample(variants[name], n, setup.sync)
+                thread, wall = calls(name, n, timed=True)
                 times[name]["thread"].append(thread)
                 times[name]["wall"].append(wall)
             gc.collect()
@@ -451,62 +482,83 @@ def table(title: str, times: Times, base: str, setup: Setup, targets: dict[str, 
 
 # -- sections -------------------------------------------------------------------------------------
 
-def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple[dict, dict]:
-    """The variants on deep copies of ``task.model``; ``full=False``: only plain, not recording, recording stats."""
+def with_handles(add: Callable[..., list], model: nn.Module, *args) -> Install:
+    """An install that calls ``add(model, *args)``; its undo removes the handles ``add`` returns."""
+    def install() -> Callable[[], None]:
+        handles = add(model, *args)
+        return lambda: [h.remove() for h in handles]
+    return install
+
+
+def instrumenting(task: Task, **kwargs) -> Install:
+    """An install that instruments ``task.model`` (as ``task`` calls it); its undo is the handle's ``remove``."""
+    def install() -> Callable[[], None]:
+        return picklehooks.instrument(task.model, **task.instrument_kwargs, **kwargs).remove
+    return install
+
+
+def noop_hooks(model: nn.Module) -> list:
+    return [module.register_forward_hook(noop_hook) for name, module in model.named_modules() if name]
+
+
+def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple[dict, dict, dict]:
+    """The variants, all on ``task.model`` itself, and what installs each one's hooks there; ``full=False``:
+    only plain, not recording, recording stats.
+
+    One model, not a deep copy per variant: copies of one model differ in speed among themselves
+    (two deep copies of the plain MLP measured up to 3% apart in one process, and the model they
+    were copied from 8% faster than either), which would add a fixed error to each variant's ratio.
+    """
     model = task.model
-    plain = copy.deepcopy(model)
-    stats_model = copy.deepcopy(model)
-    handle = picklehooks.instrument(stats_model, **task.instrument_kwargs)
-    variants = {
-        BASE: workload(plain, task, backward),
-        QUIET: workload(stats_model, task, backward),
-        STATS: recording(workload(stats_model, task, backward), read_stats=True),
-    }
-    extra: dict = {"handle": handle, "model": stats_model, "store": None, "naive_work": None}
+    run = workload(model, task, backward)
+    variants = {BASE: run, QUIET: run, STATS: recording(run, read_stats=True)}
+    installs: dict[str, Install] = {QUIET: instrumenting(task), STATS: instrumenting(task)}
+    extra: dict = {"install": instrumenting(task), "store": None, "naive_work": None}
     if not full:
-        return variants, extra
+        return variants, installs, extra
 
-    tensor_model = copy.deepcopy(model)
-    naive_model = copy.deepcopy(model)
-    noop_model = copy.deepcopy(model)
-    copy_model = copy.deepcopy(model)
-    for name, module in noop_model.named_modules():
-        if name:
-            module.register_forward_hook(noop_hook)
-    picklehooks.instrument(tensor_model, mode="tensor", **task.instrument_kwargs)
     store: list = []
-    add_naive_hooks(naive_model, store)
     copies: list = []
-    add_copy_hooks(copy_model, copies)
-    native_model = copy.deepcopy(model)
     native_rows: list = []
-    add_native_hooks(native_model, native_rows)
-    naive_work = workload(naive_model, task, backward)
-
     variants = {
-        BASE: variants[BASE],
-        NOOP: workload(noop_model, task, backward),
-        QUIET: variants[QUIET],
-        COPY: clearing(workload(copy_model, task, backward), copies),
-        NATIVE: clearing(workload(native_model, task, backward), native_rows),
+        BASE: run,
+        NOOP: run,
+        QUIET: run,
+        COPY: clearing(run, copies),
+        NATIVE: clearing(run, native_rows),
         STATS: variants[STATS],
-        TENSOR: recording(workload(tensor_model, task, backward), read_stats=False),
-        NAIVE: clearing(naive_work, store),
+        TENSOR: recording(run, read_stats=False),
+        NAIVE: clearing(run, store),
     }
-    extra.update(store=store, naive_work=naive_work)
-    return variants, extra
+    installs.update({
+        NOOP: with_handles(noop_hooks, model),
+        COPY: with_handles(add_copy_hooks, model, copies),
+        NATIVE: with_handles(add_native_hooks, model, native_rows),
+        TENSOR: instrumenting(task, mode="tensor"),
+        NAIVE: with_handles(add_naive_hooks, model, store),
+    })
+    extra.update(store=store, naive_work=run, naive_install=installs[NAIVE])
+    return variants, installs, extra
 
 
 def coverage(name: str, task: Task, extra: dict) -> None:
     """What one recorded forward+backward captured, and which chosen modules gave nothing."""
-    model, handle = extra["model"], extra["handle"]
-    with picklehooks.record() as log:
-        task.loss(task.forward(model)).backward()
+    model = task.model
+    handle = picklehooks.instrument(model, **task.instrument_kwargs)
+    try:
+        with picklehooks.record() as log:
+            task.loss(task.forward(model)).backward()
+    finally:
+        handle.remove()
     model.zero_grad(set_to_none=True)
     naive = ""
     if extra["naive_work"] is not None:
         extra["store"].clear()
-        extra["naive_work"]()
+        undo = extra["naive_install"]()
+        try:
+            extra["naive_work"]()
+        finally:
+            undo()
         naive = f"; hand-written hooks: {len(extra['store'])} stats per forward+backward"
         extra["store"].clear()
     seen = {r.module for r in log.records}
@@ -521,15 +573,19 @@ def coverage(name: str, task: Task, extra: dict) -> None:
         print(f"Chosen but never recorded (their forward() is not called): {', '.join(silent)}")
 
 
-def records_per_call(task: Task, backward: bool, model: nn.Module) -> int:
+def records_per_call(task: Task, backward: bool, install: Install) -> int:
     """How many records one call of the workload makes (instrument()'s defaults)."""
-    with picklehooks.record() as log:
-        if backward:
-            task.loss(task.forward(model)).backward()
-            model.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                task.forward(model)
+    undo = install()
+    try:
+        with picklehooks.record() as log:
+            if backward:
+                task.loss(task.forward(task.model)).backward()
+                task.model.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    task.forward(task.model)
+    finally:
+        undo()
     return len(log.records)
 
 
@@ -550,11 +606,11 @@ def eager_section(label: str, short: str, make, setup: Setup) -> dict[str, list[
     for backward in (False, True):
         phase = f"{label}, {'forward+backward' if backward else 'forward (no_grad)'}"
         progress(f"measuring: {phase}")
-        variants, extra = picklehooks_variants(task, backward)
-        times = measure(variants, setup)
+        variants, installs, extra = picklehooks_variants(task, backward)
+        times = measure(variants, setup, installs=installs)
         table(phase, times, BASE, setup, TARGETS["eager"],
               summary=f"{short} {'fwd+bwd' if backward else 'fwd'}")
-        per_record(times, BASE, records_per_call(task, backward, extra["model"]))
+        per_record(times, BASE, records_per_call(task, backward, extra["install"]))
         if backward:
             coverage(label, task, extra)
         else:
@@ -575,8 +631,8 @@ def hf_section(setup: Setup) -> None:
         phase = (f"{label}, transformers {transformers.__version__}, input ids 4 x 32, "
                  "forward+backward of .loss")
         progress(f"measuring: {phase}")
-        variants, extra = picklehooks_variants(task, backward=True, full=False)
-        times = measure(variants, setup)
+        variants, installs, extra = picklehooks_variants(task, backward=True, full=False)
+        times = measure(variants, setup, installs=installs)
         table(phase, times, BASE, setup, TARGETS["hf"], summary=f"{name} fwd+bwd")
         coverage(label, task, extra)
 
@@ -744,7 +800,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def header(setup: Setup, sections: list[str]) -> None:
+def header(setup: Setup, sections: list[str], allocator: str) -> None:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     device = "CPU"
     if setup.device.type == "cuda":
@@ -755,7 +811,8 @@ def header(setup: Setup, sections: list[str]) -> None:
           f"{torch.get_num_threads()} thread (`torch.set_num_threads(1)`); device: {device}. "
           f"Method: {setup.rounds} interleaved rounds in rotating order, per-call medians of thread CPU time "
           f"(`time.thread_time`) and wall clock (`time.perf_counter`), garbage collector off while sampling; "
-          f"ratios to each table's baseline in the same run. Sections: {', '.join(sections)}. Date: {date}.\n")
+          f"ratios to each table's baseline in the same run; {allocator}. Sections: {', '.join(sections)}. "
+          f"Date: {date}.\n")
     if setup.device.type == "cuda":
         print("On CUDA each sample ends with one `torch.cuda.synchronize()`. Thread time counts only this thread's "
               "host work (Python, hooks, kernel launches; not the GPU, nor autograd's device thread that runs "
@@ -763,6 +820,26 @@ def header(setup: Setup, sections: list[str]) -> None:
     else:
         print("Targets are judged on the **thread-time ratio**: other processes on this shared machine move the "
               "wall ratios by about ±0.1× from run to run, and barely touch this thread's CPU time.")
+
+
+def pin_malloc() -> str:
+    """Keep glibc from handing freed memory back to the OS (and from mmap-ing tensors of up to 32 MiB).
+
+    Variants that keep copies allocate and free a call's worth of tensors each call; with glibc's
+    default, adaptive thresholds, whether that memory is trimmed off the heap (and faulted back
+    in on the next call) depended on the heap's history, and the same variant measured 1.2× in
+    one run and 1.9× in the next (transformer forward, copies of every output). Returns what the
+    header says about it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+        pinned = libc.mallopt(m_trim_threshold, 2**30) == 1 and libc.mallopt(m_mmap_threshold, 2**25) == 1
+    except (OSError, AttributeError):
+        pinned = False
+    return ("glibc malloc: trim threshold 1 GiB, mmap threshold 32 MiB" if pinned
+            else "the allocator's own settings (no glibc mallopt here)")
 
 
 def main() -> None:
@@ -786,11 +863,12 @@ def main() -> None:
         parser.error("--device cuda: CUDA is not available in this torch build or on this machine")
     setup = Setup(device, args.rounds)
 
+    allocator = pin_malloc()
     torch.set_num_threads(1)
     # The first module's input needs no gradient, so its full backward hook fires on outputs only (as intended).
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     started = time.perf_counter()
-    header(setup, sections)
+    header(setup, sections, allocator)
     mlp_forward_baseline = None
     if "mlp" in sections:
         mlp_forward_baseline = eager_section("MLP (36 modules, batch 32)", "MLP", make_mlp, setup)
