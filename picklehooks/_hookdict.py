@@ -36,16 +36,19 @@ import torch
 from . import _hookrt, _state
 
 _ANYWHERE = _state._ANYWHERE  # the logs recording in any thread; the same list object for the process
+_dynamo_compiling, _compiler, _fx, _is_jit_tracing = (_hookrt._dynamo_compiling, _hookrt._compiler, _hookrt._fx,
+                                                      _hookrt._is_jit_tracing)
 
 
 def _idle_truth(self) -> bool:
     """``HookDict.__bool__`` while no log records anywhere (see :func:`_recording_changed`)."""
     if not len(self):
         return False
-    # is_compiling() first: torch.compile must see the hooks whatever the recording state,
-    # without a guard on it (reading _ANYWHERE would recompile when recording starts).
-    return (_hookrt._is_compiling() or bool(_ANYWHERE) or not self.idle_keys.issuperset(self)
-            or _hookrt._FX_SYMBOLIC() or _hookrt._is_jit_tracing())
+    # Compiling first: torch.compile must see the hooks whatever the recording state, without a
+    # guard on it (reading _ANYWHERE would recompile when recording starts). The checks are
+    # _hookrt._tracing()'s, spelled inline as there (see _hookrt._dynamo_compiling).
+    return (_dynamo_compiling() or _compiler._is_compiling_flag or bool(_ANYWHERE)
+            or not self.idle_keys.issuperset(self) or _fx._is_fx_tracing_flag or _is_jit_tracing())
 
 
 class HookDict(OrderedDict):
