@@ -423,6 +423,45 @@ def test_environment_switch_turns_it_off_in_a_fresh_process():
     assert on[0] == str(_native.AVAILABLE) and (on[1] == "None") != _native.AVAILABLE
 
 
+def test_float32_lane_loop_and_its_avx512_spelling_give_the_same_bits():
+    """Where float32 runs the AVX-512 loop, the portable lane loop (PICKLEHOOKS_F32_LOOP=lanes) gives
+    the same bits on the same data: so the float64-reference tests above, run with the default,
+    cover both. Lengths around the 16 lanes and the 4096-element chunk; zeros, -0.0, NaN, Inf,
+    a large mean, strided views."""
+    from picklehooks import _fstats
+
+    if _fstats.F32_LOOP != "avx512":
+        pytest.skip(f"float32 runs the {_fstats.F32_LOOP!r} loop here (no AVX-512F, or built without it)")
+    code = """
+        import torch
+        from picklehooks import _fstats, _native
+        print(_fstats.F32_LOOP)
+        g = torch.Generator().manual_seed(0)
+        for n in (1, 2, 15, 16, 17, 31, 33, 100, 4095, 4096, 4097, 8192, 10001, 70000):
+            for kind in ("randn", "zeros", "offset", "nan", "inf", "huge", "strided"):
+                x = torch.randn(n, generator=g) * 3 + 1
+                if kind == "zeros":
+                    x[::3], x[1::7] = 0.0, -0.0
+                elif kind == "offset":
+                    x = torch.randn(n, generator=g) * 1e-3 + 1e4
+                elif kind == "nan":
+                    x[n // 2] = float("nan")
+                elif kind == "inf":
+                    x[n // 3] = float("inf")
+                elif kind == "huge":
+                    x = torch.randn(n, generator=g) * 1e30
+                elif kind == "strided":
+                    x = torch.randn(n, 3, generator=g)[:, 1]
+                s = _native.stats(x)
+                print(n, kind, None if s is None else [float(v).hex() for v in s])
+    """
+    avx = _python(code).splitlines()
+    lanes = _python(code, {"PICKLEHOOKS_F32_LOOP": "lanes"}).splitlines()
+    assert (avx[0], lanes[0]) == ("avx512", "lanes")
+    assert len(avx) == 1 + 14 * 7
+    assert avx[1:] == lanes[1:]
+
+
 def test_a_copy_in_a_torch_package_archive_imports_and_is_off(tmp_path):
     """Interning _native must not drag the extension into the archive; the archive's copy is off."""
     from torch.package import PackageExporter, PackageImporter
