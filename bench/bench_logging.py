@@ -108,7 +108,7 @@ order that rotates each round; the garbage collector is off while sampling
 (and collects between rounds). On glibc the bench first pins malloc's trim and
 mmap thresholds (``pin_malloc``): with the defaults, whether the memory that
 copy-keeping variants free each call went back to the OS, to be faulted in
-again, depended on the heap's history, and moved those variants by up to 0.7×. Reported per variant: the median per call
+again, depended on the heap's history, and moved those variants by up to 0.6×. Reported per variant: the median per call
 (thread time), the ratio of medians to the baseline on both clocks side by
 side, and the ratio of minimums on both clocks (other work on the machine only
 ever adds time). Thread time is the primary figure: on the shared machine
@@ -396,7 +396,7 @@ def measure(variants: dict[str, Callable[[], None]], setup: Setup, rounds: int |
     variant's every sample installs them, runs ``settle`` untimed calls, samples, and removes
     them; with ``installs``, every other variant's samples also start with ``settle`` untimed
     calls. (Right after ``instrument()`` and ``remove()``, the next calls of the plain model ran
-    up to 5% slower; ten calls were enough for that to pass.)
+    up to 10% slower; after ten calls, within 1%.)
     """
     rounds = setup.rounds if rounds is None else rounds
     installs = installs or {}
@@ -827,8 +827,8 @@ def pin_malloc() -> str:
 
     Variants that keep copies allocate and free a call's worth of tensors each call; with glibc's
     default, adaptive thresholds, whether that memory is trimmed off the heap (and faulted back
-    in on the next call) depended on the heap's history, and the same variant measured 1.2× in
-    one run and 1.9× in the next (transformer forward, copies of every output). Returns what the
+    in on the next call) depended on the heap's history, and the same variant measured 1.29× in
+    one run and 1.85× in the next (transformer forward, copies of every output). Returns what the
     header says about it."""
     try:
         import ctypes
