@@ -108,7 +108,8 @@ order that rotates each round; the garbage collector is off while sampling
 (and collects between rounds). On glibc the bench first pins malloc's trim and
 mmap thresholds (``pin_malloc``): with the defaults, whether the memory that
 copy-keeping variants free each call went back to the OS, to be faulted in
-again, depended on the heap's history, and moved those variants by up to 0.6×. Reported per variant: the median per call
+again, depended on the heap's history, and moved those variants by up to 0.6×.
+Reported per variant: the median per call
 (thread time), the ratio of medians to the baseline on both clocks side by
 side, and the ratio of minimums on both clocks (other work on the machine only
 ever adds time). Thread time is the primary figure: on the shared machine
@@ -506,8 +507,8 @@ def picklehooks_variants(task: Task, backward: bool, full: bool = True) -> tuple
     only plain, not recording, recording stats.
 
     One model, not a deep copy per variant: copies of one model differ in speed among themselves
-    (two deep copies of the plain MLP measured up to 3% apart in one process, and the model they
-    were copied from 8% faster than either), which would add a fixed error to each variant's ratio.
+    (five deep copies of the plain MLP measured up to 3% apart in one process, and the model
+    they were copied from 8% faster than every one), which would add a fixed error to each variant's ratio.
     """
     model = task.model
     run = workload(model, task, backward)
