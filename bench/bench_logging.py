@@ -132,7 +132,6 @@ import copy
 import datetime
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -144,6 +143,7 @@ import torch
 from torch import nn
 
 import picklehooks
+from _machine import cpu_model  # bench/, this script's directory
 
 SECTIONS = ("mlp", "transformer", "hf", "script", "compile", "torchlens")
 
@@ -790,17 +790,6 @@ def summary(setup: Setup) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
 
 def header(setup: Setup, sections: list[str], allocator: str) -> None:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -84,6 +84,7 @@ from picklehooks.portable import module_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import representative_hooks as rh  # noqa: E402 - needs the path above
+from _machine import cpu_model  # noqa: E402
 
 # Targets, printed next to the figures they are about.
 TARGET_LOAD_RATIO = 1.2  # load time with portable hooks / load time without hooks
@@ -114,14 +115,6 @@ def table(headers: list[str], rows: list[list[object]], align: str | None = None
 
 def verdict(ok: bool) -> str:
     return "yes" if ok else "**no**"
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> str:
