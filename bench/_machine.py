@@ -1,9 +1,10 @@
 """The CPU a benchmark ran on, for its header (shared by the bench scripts).
 
-Ratios measured on different CPUs differ: the same code measured 1.28× on one
-AMD EPYC (Zen 4) host and 1.17× on another (Zen 5) recording the MLP's
-statistics, and /proc/cpuinfo names both just "AMD EPYC". So the header also
-gives the CPU family and model, and the last-level cache, where Linux says.
+Ratios measured on different CPUs differ: recording the MLP's statistics, the
+same code measured 1.28× (median of six runs) on one host and 1.17× on another
+(family 26, Zen 5), and /proc/cpuinfo names both just "AMD EPYC". So the
+header also gives the CPU family and model, and the last-level cache, where
+Linux says.
 """
 
 from __future__ import annotations
