@@ -78,14 +78,17 @@ def _tracing() -> bool:
 # no further); torch sets compiler._is_compiling_flag while anything else compiles or exports, which
 # is all is_compiling() reads in eager mode; FX's flag, read once compiling is ruled out, is what
 # is_fx_symbolic_tracing() answers. On a torch without them, the same checks as _tracing().
-if all(hasattr(m, a) for m, a in ((torch.compiler, "is_dynamo_compiling"), (torch.compiler, "_is_compiling_flag"),
-                                  (torch.fx._symbolic_trace, "_is_fx_tracing_flag"))):
-    _dynamo_compiling = torch.compiler.is_dynamo_compiling
-    _compiler = torch.compiler
-    _fx = torch.fx._symbolic_trace
-else:
-    _dynamo_compiling = _tracing
-    _compiler = _fx = types.SimpleNamespace(_is_compiling_flag=False, _is_fx_tracing_flag=False)
+def _inline_checks(compiler, fx) -> tuple:
+    """(_dynamo_compiling, _compiler, _fx) from torch.compiler and torch.fx._symbolic_trace, or the
+    fallback where either lacks what the inline spelling reads: _tracing() and two flags always False."""
+    if all(hasattr(m, a) for m, a in ((compiler, "is_dynamo_compiling"), (compiler, "_is_compiling_flag"),
+                                      (fx, "_is_fx_tracing_flag"))):
+        return compiler.is_dynamo_compiling, compiler, fx
+    never = types.SimpleNamespace(_is_compiling_flag=False, _is_fx_tracing_flag=False)
+    return _tracing, never, never
+
+
+_dynamo_compiling, _compiler, _fx = _inline_checks(torch.compiler, torch.fx._symbolic_trace)
 
 
 # The graph task autograd is executing in this thread (-1: none, outside backward).

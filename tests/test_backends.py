@@ -21,7 +21,7 @@ import picklehooks
 import picklehooks.package
 from tests import models
 from tests.recording import CAPTURE, run, summary
-from tests.testutils import REPO
+from tests.testutils import REPO, run_fresh
 
 BACKENDS = ["pickle", "package", "script", "script_saveload", "trace", "fx", "compile", "export", "export_saveload"]
 
@@ -180,3 +180,59 @@ class TestZeroFracTolerance:
         """Exact zeros beside values at float32 rounding level (cancellation) may each go either way."""
         x = torch.tensor([0.0, 1e-8, -2e-8, 0.5, -1.0, 2.0])
         assert zero_frac_tolerance(x) == pytest.approx(3 / 6)
+
+
+# Run in a fresh process: picklehooks chooses how its eager hooks ask "tracing?" once, at import,
+# from what torch.compiler and torch.fx offer (see _hookrt._inline_checks).
+OLD_TORCH_CHECKS = """
+import json, sys, tempfile, types
+import torch
+
+hidden = torch.compiler.is_dynamo_compiling
+del torch.compiler.is_dynamo_compiling  # as on a torch without it, while picklehooks imports
+try:
+    import picklehooks
+    from picklehooks import _hookdict, _hookrt
+finally:
+    torch.compiler.is_dynamo_compiling = hidden
+assert _hookrt._dynamo_compiling is _hookrt._tracing, _hookrt._dynamo_compiling
+assert isinstance(_hookrt._compiler, types.SimpleNamespace) and _hookdict._compiler is _hookrt._compiler
+
+from tests import models
+from tests.recording import run, summary
+from tests.test_backends import backend_summary, instrumented
+
+name = sys.argv[1]
+model, handle = instrumented(name)
+x = models.inputs(name)
+hooked = [m for m in handle.modules.values() if len(m._forward_hooks)]  # idle, a HookDict is falsy
+assert hooked and all(isinstance(m._forward_hooks, _hookdict.HookDict) for m in hooked)
+# Idle, an eager hook skips and nn.Module finds no hooks to run; recording, neither.
+assert _hookrt.skip() and not any(bool(m._forward_hooks) for m in hooked)
+with picklehooks.record():
+    assert not _hookrt.skip() and all(bool(m._forward_hooks) for m in hooked)
+summaries = {"eager": summary(run(model, x))}
+with tempfile.TemporaryDirectory() as tmp:
+    for backend in sys.argv[2:]:
+        summaries[backend] = backend_summary(backend, name, tmp)
+print(json.dumps(summaries))
+"""
+
+
+def test_same_records_where_torch_lacks_the_inline_tracing_checks(eager_summaries):
+    """On a torch without is_dynamo_compiling (or the compiling and FX flags), the eager hooks ask
+    _tracing() instead, and eager mode and every tracer still record what the usual path records."""
+    import types
+
+    from picklehooks import _hookrt
+
+    assert _hookrt._inline_checks(torch.compiler, torch.fx._symbolic_trace)[0] is torch.compiler.is_dynamo_compiling
+    lacking = _hookrt._inline_checks(types.SimpleNamespace(is_dynamo_compiling=None), torch.fx._symbolic_trace)
+    assert lacking[0] is _hookrt._tracing and not lacking[1]._is_compiling_flag and not lacking[2]._is_fx_tracing_flag
+
+    name, backends = "transformer", ["fx", "trace", "compile", "export"]
+    got = json.loads(run_fresh(OLD_TORCH_CHECKS, name, *backends, cwd=REPO, timeout=480).strip().splitlines()[-1])
+    want, zero_frac_tol = eager_summaries(name)
+    assert sorted(got) == sorted(["eager", *backends])
+    for backend, records in got.items():
+        assert_same_records(records, want, zero_frac_tol)
