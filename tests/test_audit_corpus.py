@@ -15,6 +15,8 @@ import io
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import tarfile
 import warnings
 import zipfile
@@ -112,6 +114,15 @@ def _payload(marker: Path) -> dict:
     return {"bomb": _System(marker), "hook": picklehooks.portable(double_output)}
 
 
+def _tar_header_ok(data: bytes) -> bool:
+    """Whether tarfile (as torch.load's legacy_load opens a file) reads a tar header at the start of data."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:"):
+            return True
+    except tarfile.TarError:
+        return False
+
+
 def build(name: str, tmp: Path) -> Case:
     """Write corpus case ``name`` under ``tmp``."""
     marker = tmp / "marker"
@@ -176,6 +187,44 @@ def build(name: str, tmp: Path) -> Case:
         model.trap = _Exec(marker)  # an attribute of the module: pickled in its state
         torch.save(model, path)
         return Case(path, marker, {"builtins.exec"}, {hook_name()}, control=lambda: torch.load(path, weights_only=False))
+    if name == "tar-header-pickle":
+        # A pickle whose first 512 bytes are also a valid tar header (its checksum field reads 0,
+        # and the signed sum of the block comes to 0 for one frame length): tarfile, and so
+        # torch.load, take it for a tar; pickle.load runs it. Found by padding, not by chance.
+        for pad in range(1024):
+            data = pickle.dumps({10**5000: _System(marker), "pad": "x" * pad, "hook": picklehooks.portable(double_output)},
+                                protocol=4)
+            if _tar_header_ok(data):
+                break
+        else:
+            raise AssertionError("no padding makes the pickle's first block a tar header")
+        path.write_bytes(data)
+        return Case(path, marker, {SYSTEM}, {hook_name()}, control=lambda: pickle.loads(path.read_bytes()))
+    if name == "tar-polyglot":
+        # A real legacy tar, harmless to torch.load, whose first member's name is a pickle that
+        # pickle.load runs (the marker relative to the loading process's directory: a name has
+        # 100 bytes).
+        polyglot = f"cos\nsystem\n(S'touch {marker.name}'\ntR.".encode()
+        members = {
+            polyglot.decode(): b"",
+            "storages": pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2),
+            "tensors": pickle.dumps(0, protocol=2),
+            "pickle": pickle.dumps({"hook": picklehooks.portable(double_output)}, protocol=2),
+        }
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for member, data in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        assert path.read_bytes().startswith(polyglot)
+
+        def control():
+            torch.load(path, weights_only=False)  # reads the members: runs nothing
+            assert not marker.exists()
+            subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.load(open(sys.argv[1], 'rb'))", str(path)],
+                           cwd=tmp, check=True)
+
+        return Case(path, marker, {"os.system"}, {hook_name()}, control=control)
     if name == "big-int-key":
         # str() of this key raises (int_max_str_digits); the audit must not.
         path.write_bytes(pickle.dumps({10**5000: _System(marker), "hook": picklehooks.portable(double_output)}, protocol=4))
@@ -196,6 +245,8 @@ CASES = [
     "zip-reduce",
     "zip-exec-in-model",
     "big-int-key",
+    "tar-header-pickle",
+    "tar-polyglot",
 ]
 
 
@@ -220,7 +271,8 @@ class TestCorpus:
                 case.control()
             assert case.marker.exists()
 
-    @pytest.mark.parametrize("name", ["reduce-system", "legacy-int-literal", "legacy-tar", "big-int-key"])
+    @pytest.mark.parametrize("name", ["reduce-system", "legacy-int-literal", "legacy-tar", "big-int-key",
+                                      "tar-header-pickle", "tar-polyglot"])
     def test_cli_exits_unsafe(self, tmp_path, name):
         """The command names each payload global as UNSAFE, exits 4, and runs nothing."""
         case = build(name, tmp_path)

@@ -9,11 +9,19 @@
 * anything else: pickles one after another (a legacy ``torch.save`` file is
   five pickles and then raw storage bytes; a log file may hold many).
 
+A tar is read both ways: its members, as ``torch.load`` reads them, and its
+bytes from the start as a pickle stream, as ``pickle.load`` reads them. A
+crafted file can be both (a pickle whose first 512 bytes happen to be a valid
+tar header, or a tar whose first member's name is a pickle); a tar without
+the ``pickle`` member of torch's format (which ``torch.load`` fails on) or
+unreadable past its first header (which it reads as pickles) only the second
+way.
+
 Limits: a zip member is read in 1 MiB chunks and refused past the member
 bound (:class:`._limits.Limits`), whatever size it declares; ``.pkl`` files
 are what is read of a zip, so a ``torch.package`` resource pickled under
-another suffix is not audited. A file that is both a tar and something else
-is audited as a tar, as ``torch.load`` reads it.
+another suffix is not audited. A zip is audited as a zip only (its first
+bytes, ``PK``, are a persistent id that a plain ``pickle.load`` refuses).
 """
 
 from __future__ import annotations
@@ -106,16 +114,48 @@ def read(path: str) -> tuple[Contents, Limits]:
             head = f.read(4)
             if head in _ZIP_MAGICS:
                 return _read_zip(path, limits), limits
-            if _is_tar(f):
-                return _read_tar(path, limits), limits
+            is_tar = _is_tar(f)
+            tar = _read_tar(path, limits) if is_tar else None
             # Mapped, not read: a legacy torch.save file is mostly storage
             # bytes after its pickles, which are never touched.
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                if is_tar:
+                    return _tar_and_stream(tar, mapped, limits), limits
                 contents = Contents([Resource("")])
                 _read_stream(mapped, limits, contents, "the file")
                 return contents, limits
     except OSError as exc:
         raise AuditError(exc.strerror or str(exc)) from None
+
+
+def _tar_and_stream(tar: Contents | None, buf: Any, limits: Limits) -> Contents:
+    """A tar's members (``tar``, from :func:`_read_tar`) and its bytes read as pickles.
+
+    ``pickle.load`` reads a file from its first byte whatever else it is: the pickles there are
+    read one after another, as in a plain file, up to the first that fails. A failing pickle
+    counts only where it names a global before it fails (what a load would have run); a real
+    tar's header is no pickle at all, and adds nothing.
+    """
+    machine = Machine(buf, 0, len(buf), limits, "the file")
+    stream, problems, failure = Resource(""), [], None
+    while machine.pos < len(buf):
+        start = machine.pos
+        try:
+            stream.parsed.append(machine.run())
+        except Malformed as exc:
+            failure = exc
+            if exc.partial is not None and exc.partial.globals:
+                stream.parsed.append(exc.partial)
+                problems.append(f"could not read the file as pickles from byte {start} on: {exc}; treat as unsafe")
+            break
+    if tar is None and not stream.parsed:
+        raise AuditError("a tar archive, but not in torch.save's legacy tar format (no readable 'pickle' "
+                         f"member), and not a pickle either ({failure})")
+    contents = tar if tar is not None else Contents()
+    if stream.parsed:
+        contents.resources.append(stream)
+        contents.problems += problems
+    return contents
 
 
 def _read_stream(buf: Any, limits: Limits, contents: Contents, what: str) -> None:
@@ -257,11 +297,16 @@ def _storage_sizes() -> dict[str, int]:
     return {name: dtype.itemsize for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
-def _read_tar(path: str, limits: Limits) -> Contents:
+def _read_tar(path: str, limits: Limits) -> Contents | None:
+    """The pickles of a legacy torch.save tar's members; None where torch.load can't read it as one.
+
+    That is an unreadable tar (torch.load then reads the file as pickles) or one without the
+    'pickle' member (torch.load fails on it, finding no member it reads).
+    """
     try:
         archive = tarfile.open(path, mode="r:")
-    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
-        raise AuditError(f"unreadable tar archive: {exc}") from None
+    except (tarfile.TarError, EOFError, OSError, ValueError):
+        return None
     contents = Contents()
     with archive:
         members: dict[str, tarfile.TarInfo] = {}
@@ -270,10 +315,10 @@ def _read_tar(path: str, limits: Limits) -> Contents:
                 if count > MAX_MEMBERS:
                     raise exceeded("the tar archive", f"it has more than {MAX_MEMBERS} members, the bound")
                 members.setdefault(member.name, member)
-        except (tarfile.TarError, EOFError, OSError, ValueError, UnicodeDecodeError) as exc:
-            raise AuditError(f"unreadable tar archive: {exc}") from None
+        except (tarfile.TarError, EOFError, OSError, ValueError, UnicodeDecodeError):
+            return None
         if "pickle" not in members:
-            raise AuditError("a tar archive without the 'pickle' member of torch.save's legacy tar format")
+            return None
         for name in ("storages", "tensors", "pickle"):
             member = members.get(name)
             what = f"tar member {name!r}"
