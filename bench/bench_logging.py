@@ -546,7 +546,7 @@ def coverage(name: str, task: Task, extra: dict) -> None:
     """What one recorded forward+backward captured, and which chosen modules gave nothing."""
     model = task.model
     handle = picklehooks.instrument(model, **task.instrument_kwargs)
-    instrumented = len(handle.modules)  # remove() empties handle.modules
+    chosen = list(handle.modules)  # remove() empties handle.modules
     try:
         with picklehooks.record() as log:
             task.loss(task.forward(model)).backward()
@@ -564,9 +564,9 @@ def coverage(name: str, task: Task, extra: dict) -> None:
         naive = f"; hand-written hooks: {len(extra['store'])} stats per forward+backward"
         extra["store"].clear()
     seen = {r.module for r in log.records}
-    silent = [m for m in handle.modules if m not in seen]
+    silent = [m for m in chosen if m not in seen]
     kinds = {k: sum(1 for r in log.records if r.kind == k) for k in ("output", "grad_output")}
-    print(f"\n{name}: {instrumented} modules instrumented, "
+    print(f"\n{name}: {len(chosen)} modules instrumented, "
           f"{len(log.records)} records per forward+backward ({kinds['output']} output, "
           f"{kinds['grad_output']} grad_output){naive}.")
     if handle.skipped:
