@@ -235,9 +235,12 @@ def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: 
     return _untyped("picklehooks_pre_kw", "module, args, kwargs", generic)
 
 
-def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int) -> str:
-    """Text of a forward hook: tap every tensor in the output."""
-    generic = f"_rt.forward(module, output, {flags}, inputs)"
+def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: int, eager_flags: int = 0) -> str:
+    """Text of a forward hook: tap every tensor in the output.
+
+    ``eager_flags``: bits only the run-time body gets (``INPUT_GRAD``).
+    """
+    generic = f"_rt.forward(module, output, {flags | eager_flags}, inputs)"
     if inputs is None or output is None:
         return _untyped("picklehooks_forward", "module, inputs, output", generic)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}, output: {annotation(output)}"
@@ -246,6 +249,15 @@ def forward_hook_text(inputs: list[Shape] | None, output: Shape | None, flags: i
     return _typed("picklehooks_forward", sig, annotation(output), generic,
                   ["    name = module._picklehooks_name"] + em.lines, result, flags,
                   idle_ret="output")
+
+
+def unscriptable_text(name: str, cls: str) -> str:
+    """Text of a module's ``__prepare_scriptable__``, which ``torch.jit.script`` calls first: it
+    raises, naming the module and the fix (only what the hooks' own text needs: no picklehooks)."""
+    message = (f"picklehooks: {name!r} ({cls}) has an overloaded forward, and TorchScript can't compile "
+               "hooks on such a module; instrument the model with instrument(..., scriptable=True) "
+               "(which leaves such modules out), or remove() the instrumentation, before torch.jit.script")
+    return f"def picklehooks_unscriptable():\n    raise RuntimeError({message!r})\n"
 
 
 def range_hook_texts(inputs: list[Shape] | None, output: Shape | None) -> tuple[str, str]:

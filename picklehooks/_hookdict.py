@@ -69,7 +69,12 @@ class HookDict(OrderedDict):
         return OrderedDict(self)
 
     def __deepcopy__(self, memo) -> OrderedDict:
-        return OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self.items())
+        # Into memo before the values are copied: a hook that holds its own RemovableHandle
+        # (which refers back to this dict) must get a handle to the new dict, not a second copy.
+        new = memo[id(self)] = OrderedDict()
+        for k, v in self.items():
+            new[k] = copy.deepcopy(v, memo)
+        return new
 
 
 def _recording_changed(recording: bool) -> None:
@@ -134,8 +139,22 @@ def works() -> bool:
     probe = torch.nn.Identity()
     probe.__dict__["_forward_hooks"] = hooks = _Probe()
     probe.register_forward_hook(lambda *_: calls.append(1))
-    probe(torch.zeros(1))
-    skipped = not calls
-    hooks.truth = True
-    probe(torch.zeros(1))
+    # Global module hooks would send the probe down the hook path whatever its dict says (and
+    # show the user's global hooks a module they never called): set them aside meanwhile.
+    module_globals = torch.nn.modules.module
+    aside = [(d, dict(d)) for d in (getattr(module_globals, n, None) for n in _GLOBAL_HOOKS) if d]
+    for d, _ in aside:
+        d.clear()
+    try:
+        probe(torch.zeros(1))
+        skipped = not calls
+        hooks.truth = True
+        probe(torch.zeros(1))
+    finally:
+        for d, items in aside:
+            d.update(items)
     return skipped and len(calls) == 1
+
+
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 
 import torch
 
@@ -66,6 +66,7 @@ _VALUE, _GRAD, _GUARD = _ops.VALUE, _ops.GRAD, _ops.GUARD
 # value that doesn't require grad gets neither: under no_grad, reentrant checkpointing's recomputation
 # may still deliver its gradient, which the log's "maybe" calls are for.)
 _GRAD_SURE, _GRAD_NONE = _ops.GRAD_SURE, _ops.GRAD_NONE
+_INPUT_GRAD = _ops.INPUT_GRAD
 
 
 def _tracing() -> bool:
@@ -227,22 +228,32 @@ def _hook_grad(x: torch.Tensor, recorder: _GradRecorder) -> None:
 
 
 def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None,
-               direct: bool = False):
+               direct: bool = False, keep: bool = False):
     """What the tap op does, for plain eager mode, without the op's dispatch cost.
 
     No graph has to keep the call, so the value is recorded directly. An output
-    the module made (``inputs`` given, and ``x`` neither one of them nor a
-    leaf) reaches its caller through :class:`_Alias`, whose backward sees its
-    gradient. Anything else (an input, an output that *is* an input, a
-    parameter) is hooked through a fresh view: autograd keeps a view's base
-    right when the caller changes either in place, so an in-place module still
-    changes its caller's tensor, and a tensor shared with other consumers
-    only reports the gradient flowing through this use.
+    the module made (``inputs`` given, and ``x`` neither one of them, nor a
+    leaf, nor a view) reaches its caller through :class:`_Alias`, whose
+    backward sees its gradient. Anything else (an input, an output that *is*
+    an input, a parameter, a view such as ``Flatten``'s output) is hooked
+    through a fresh view, as ``register_full_backward_hook`` hands them on:
+    autograd keeps a view's base right when the caller changes either in
+    place, so an in-place module still changes its caller's tensor, and a
+    tensor shared with other consumers only reports the gradient flowing
+    through this use. If the caller changes such a view in place, autograd
+    rebuilds its history and the hook, with that call's gradient record, is
+    lost, as a plain tensor hook would be; the model computes what it would
+    have. (An input the module changes in place: see :func:`_rescue_inplace`.)
 
     ``direct``: the module is known not to use its own output (see
-    :func:`_keeps_no_output`), so a new tensor that is no view is hooked
-    itself: the same gradient, without an autograd node of our own (about
-    10 µs less per output, forward and backward).
+    :func:`_keeps_no_output`), or legacy ``register_backward_hook`` hooks
+    attach to the output's ``grad_fn``, so a new tensor (no view) is hooked itself: the
+    same gradient, without an autograd node of our own (about 10 µs less per
+    output, forward and backward).
+
+    ``keep``: ``x`` sits in a container that is handed on as it is (see
+    :func:`_eager_tree`): it is hooked itself, never replaced, and its
+    gradient is the one flowing through all of its uses.
     """
     if flags & _GUARD:
         _ops.check_finite(x, name, kind, path)
@@ -265,10 +276,18 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
             _ops.record_tensor(log, name, kind, path, x, known)  # a DTensor (tensor parallelism): its shard
     if flags & (_GRAD | _GUARD) and x.requires_grad:
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
-        if inputs is None or x.is_leaf or any(x is i for i in inputs):
+        if keep:
+            x.register_hook(recorder)  # inside a container the module or caller may hold: x itself
+        elif inputs is None or x.is_leaf or x._is_view() or any(x is i for i in inputs):
+            # A view stays a view (Flatten, view(-1), an input handed back): autograd must know that
+            # a caller's in-place change to it changes its base too, which an alias would hide.
+            base = x
             x = x.view_as(x)
             _hook_grad(x, recorder)
-        elif direct and not x._is_view():
+            if inputs is None and kind == "input":
+                # An input: remember what _rescue_inplace needs should the module change it in place.
+                x._picklehooks_inplace = (x._version, base.grad_fn, x._backward_hooks)
+        elif direct:
             _hook_grad(x, recorder)  # stays with this value if the caller changes it in place
         elif _functorch_active():  # vmap, grad: the full apply (which binds arguments by signature)
             x = _Alias.apply(x, recorder)
@@ -317,27 +336,101 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     return x
 
 
-def tap_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None):
-    """Return ``value`` with every tensor in it tapped (the same tensors, unless gradients are wanted).
+def tap_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None,
+             direct: bool = False):
+    """Return ``value`` with every tensor in it tapped (the same object, unless gradients are wanted).
 
     ``inputs``: for an output, the module's positional inputs (see :func:`_eager_tap`).
+    In eager mode see :func:`_eager_tree`; in a graph being traced, a container
+    whose tensors the ``tap`` op replaces is rebuilt as its own type (the graph
+    holds copies anyway), and one whose tensors all stay is passed on itself.
     """
+    if not _tracing():
+        return _eager_tree(value, name, kind, path, flags, inputs, direct, False)
     if isinstance(value, _TENSORLIKE):
-        if _tracing() or not isinstance(value, torch.Tensor):
-            return _traced_tap(value, name, kind, path, flags)
-        return _eager_tap(value, name, kind, path, flags, inputs)
+        return _traced_tap(value, name, kind, path, flags)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(tap_tree(v, name, kind, _join(path, f), flags, inputs)
-                             for f, v in zip(value._fields, value)))
+        items = [tap_tree(v, name, kind, _join(path, f), flags, inputs) for f, v in zip(value._fields, value)]
+        return value if _same(value, items) else type(value)(*items)
     if isinstance(value, (tuple, list)):
-        return type(value)(tap_tree(v, name, kind, _join(path, i), flags, inputs) for i, v in enumerate(value))
+        items = [tap_tree(v, name, kind, _join(path, i), flags, inputs) for i, v in enumerate(value)]
+        return value if _same(value, items) else type(value)(items)
     if isinstance(value, dict):
-        return type(value)((k, tap_tree(v, name, kind, _join(path, k), flags, inputs)) for k, v in value.items())
+        items = [tap_tree(v, name, kind, _join(path, k), flags, inputs) for k, v in value.items()]
+        return value if _same(value.values(), items) else _rebuild_mapping(value, zip(value, items))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: tap_tree(getattr(value, f.name), name, kind, _join(path, f.name), flags, inputs)
-                   for f in dataclasses.fields(value) if f.init}
-        return dataclasses.replace(value, **changes)
-    if flags & _ops.VALUE and not _tracing():
+        fields = [f.name for f in dataclasses.fields(value) if f.init]
+        items = [tap_tree(getattr(value, f), name, kind, _join(path, f), flags, inputs) for f in fields]
+        same = _same([getattr(value, f) for f in fields], items)
+        return value if same else dataclasses.replace(value, **dict(zip(fields, items)))
+    return value
+
+
+def _same(old, new: list) -> bool:
+    return all(a is b for a, b in zip(old, new))
+
+
+def _rebuild_mapping(value: dict, pairs):
+    """A dict of ``value``'s own type holding ``pairs``: ``type(value)(pairs)`` would make a
+    ``Counter`` count the pairs and fail for a ``defaultdict`` (its first argument is the factory)."""
+    if isinstance(value, defaultdict):
+        return type(value)(value.default_factory, pairs)
+    if isinstance(value, Counter):
+        return type(value)(dict(pairs))
+    return type(value)(pairs)
+
+
+def _eager_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None, direct: bool, keep: bool):
+    """:func:`tap_tree` in eager mode: the model and its caller get the very containers they would have.
+
+    * A tuple (or namedtuple) whose tensors get autograd nodes of their own is
+      rebuilt, as ``register_full_backward_hook`` rebuilds an output tuple.
+    * An input's other containers (list, dict, dataclass, ``Counter``...) are
+      handed on untouched: the module may fill them (``cache.append(x)``) and
+      the caller keeps its own tensors in them. Their tensors are recorded
+      and hooked in place (``keep``), so their gradient is the one flowing
+      through all their uses.
+    * An output's list or dict (an HF ``ModelOutput``, a ``defaultdict``)
+      stays the same object: a tensor that gets a node of its own is put in
+      its place, so its gradient is the caller's, as for a tensor output. A
+      frozen dataclass or other container keeps its tensors, hooked in place.
+    """
+    if isinstance(value, torch.Tensor):
+        return _eager_tap(value, name, kind, path, flags, inputs, direct, keep)
+    if isinstance(value, tuple) and not keep and (type(value) is tuple or hasattr(value, "_fields")):
+        fields = value._fields if hasattr(value, "_fields") else range(len(value))
+        items = [_eager_tree(v, name, kind, _join(path, f), flags, inputs, direct, False)
+                 for f, v in zip(fields, value)]
+        if _same(value, items):
+            return value
+        return type(value)._make(items) if hasattr(value, "_fields") else tuple(items)
+    keep = keep or kind == "input"
+    if isinstance(value, dict):
+        for k, v in list(value.items()):
+            tapped = _eager_tree(v, name, kind, _join(path, k), flags, inputs, direct, keep)
+            if tapped is not v:
+                value[k] = tapped
+        return value
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            tapped = _eager_tree(v, name, kind, _join(path, i), flags, inputs, direct, keep)
+            if tapped is not v:
+                value[i] = tapped
+        return value
+    if isinstance(value, tuple):  # a tuple subclass that is no namedtuple, or inside a kept container
+        for i, v in enumerate(value):
+            _eager_tree(v, name, kind, _join(path, i), flags, inputs, direct, True)
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        frozen = value.__dataclass_params__.frozen
+        for f in dataclasses.fields(value):
+            if f.init:
+                v = getattr(value, f.name)
+                tapped = _eager_tree(v, name, kind, _join(path, f.name), flags, inputs, direct, keep or frozen)
+                if tapped is not v:
+                    setattr(value, f.name, tapped)
+        return value
+    if flags & _ops.VALUE:
         log = _state.active()
         if log is not None and not _recomputing():
             log._add_value(name, kind, path, value)
@@ -392,7 +485,7 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
             _watch(values, name, ",".join(params), state_flags)
     if not flags:
         return None  # the module gets its own arguments
-    return tuple(_tap_inputs(name, _positional(inputs), flags, {}))
+    return tuple(_tap_inputs(name, _positional(inputs), flags, []))
 
 
 def _positional(args: tuple) -> list:
@@ -400,23 +493,28 @@ def _positional(args: tuple) -> list:
     return [(str(i), v) for i, v in enumerate(args)]
 
 
-def _tap_inputs(name: str, items: list, flags: int, tapped: dict) -> list:
+def _tap_inputs(name: str, items: list, flags: int, tapped: list) -> list:
     """Tap each ``(path, value)`` input; the same tensor given twice stays one tensor.
 
     ``attn(x, x, x)`` must still see ``query is key is value`` (MultiheadAttention
     takes another path otherwise), so a repeated tensor gets the tensor tapped
     for its first position; its value is recorded at every position, its
-    gradient (the sum over all of them) at the first. ``tapped`` maps ``id``
-    of each tensor seen to what the module gets in its place.
+    gradient (the sum over all of them) at the first. ``tapped`` holds
+    ``(tensor, what the module gets in its place)`` for each tensor seen.
+
+    Tensors are matched by ``is``, never by ``id()``: torch.compile would turn
+    an ``id()`` into a guard on that very tensor object, and recompile for
+    every new batch.
     """
     out = []
     for path, value in items:
         if not isinstance(value, _TENSORLIKE):
             out.append(tap_tree(value, name, "input", path, flags))
             continue
-        first = tapped.get(id(value))
+        first = next((t for v, t in tapped if v is value), None)
         if first is None:
-            first = tapped[id(value)] = tap_tree(value, name, "input", path, flags)
+            first = tap_tree(value, name, "input", path, flags)
+            tapped.append((value, first))
         elif flags & _ops.VALUE:
             tap_tree(value, name, "input", path, flags & ~(_ops.GRAD | _ops.GUARD))
         out.append(first)
@@ -434,10 +532,67 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     pre(module, args, 0, state_flags, params, buffers)
     if not flags:
         return None
-    name, tapped = _name_of(module), {}
+    name, tapped = _name_of(module), []
     positional = _tap_inputs(name, _positional(args), flags, tapped)
     keywords = _tap_inputs(name, list(kwargs.items()), flags, tapped)
     return tuple(positional), dict(zip(kwargs, keywords))
+
+
+_module_globals = torch.nn.modules.module
+
+
+def _legacy_backward_hooks(module) -> bool:
+    """Whether ``nn.Module`` will attach ``register_backward_hook`` (non-full) hooks to this call's
+    output's ``grad_fn`` (``_call_impl`` does so after the forward hooks ran)."""
+    return ((bool(module._backward_hooks) and module._is_full_backward_hook is False)
+            or (bool(_module_globals._global_backward_hooks) and _module_globals._global_is_full_backward_hook is False))
+
+
+def _rescue_inplace(inputs: tuple) -> None:
+    """Hook the gradient of each input the module changed in place, where the view's hook is lost.
+
+    The pre-hook hands the module a view of each input, hooked for
+    ``grad_input``. A module that changes that view in place (``ReLU(inplace=True)``)
+    makes autograd route the gradient through a ``CopySlices`` node on the
+    input (the view's base) straight to the input's earlier history, past the
+    view's node and its hook. The gradient that node passes to that history is
+    the input's gradient through the module, so it is recorded there. Limit:
+    a module that also reads the input before changing it in place records
+    only the part of the gradient that flows through the change.
+    """
+    for v in inputs:
+        state = getattr(v, "_picklehooks_inplace", None) if isinstance(v, torch.Tensor) else None
+        if state is None:
+            continue
+        version, earlier, hooks = state
+        del v._picklehooks_inplace
+        if v._version == version or v._base is None or earlier is None:
+            continue
+        node, hops = v._base.grad_fn, 0
+        while node is not None and hops < 64 and node.next_functions and node.next_functions[0][0] is not earlier:
+            node, hops = node.next_functions[0][0], hops + 1
+        if node is None or not node.next_functions or node.next_functions[0][0] is not earlier:
+            continue  # not the in-place pattern (the base was changed some other way): leave the view's hook
+        # The view's node is bypassed, unless the module read the view before changing it: then
+        # it would record this call a second time. (Autograd has detached the dict from the view.)
+        recorder = next((h for h in hooks.values() if isinstance(h, _GradRecorder)), None)
+        if recorder is None:
+            continue
+        hooks.clear()
+        node.register_hook(_InplaceGrad(recorder))
+
+
+class _InplaceGrad:
+    """Node post-hook of :func:`_rescue_inplace`: the gradient the node passes to the input's history."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self, recorder) -> None:
+        self.recorder = recorder
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        if grad_inputs and grad_inputs[0] is not None:
+            self.recorder(grad_inputs[0])
 
 
 def _keeps_no_output(module) -> bool:
@@ -452,14 +607,26 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
 
     ``inputs`` (the hook's positional inputs) lets a gradient hook sit on the
     output itself; hooks generated before it existed pass none and hook a view.
+    :data:`INPUT_GRAD` in ``flags``: ``grad_input`` is captured, so eager mode
+    looks for inputs the module changed in place (see :func:`_rescue_inplace`).
     """
     if _dynamo_compiling() or _compiler._is_compiling_flag or _fx._is_fx_tracing_flag or _is_jit_tracing():
         # _tracing() (see _dynamo_compiling); first, as in skip()
-        return tap_tree(output, _name_of(module), "output", "", flags, inputs)
+        return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
+    if flags & _INPUT_GRAD:
+        if inputs and _RECORDING:
+            _rescue_inplace(inputs)
+        flags &= ~_INPUT_GRAD
+        if not flags:
+            return None
     if _forward_lane is not None and _forward_lane(module, output, flags) is None:
         return None  # done in C: idle, or recorded (see picklehooks/_fhook.c)
     if not (_RECORDING or flags & _GUARD):  # skip(), the rest of it
         return None
+    if flags & _GRAD and (module._backward_hooks or _module_globals._global_backward_hooks) \
+            and _legacy_backward_hooks(module):
+        # register_backward_hook's hooks attach to the output's grad_fn, which must stay the module's own.
+        return tap_tree(output, _name_of(module), "output", "", flags, inputs, direct=True)
     if type(output) is not torch.Tensor:
         return tap_tree(output, _name_of(module), "output", "", flags, inputs)
     # The common case, with as few calls as it takes: this runs once per module call while recording.

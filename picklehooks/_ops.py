@@ -89,6 +89,9 @@ COUNTED = 64
 #: (the compiled forward later runs without autograd, so the kernels can't): a gradient of
 #: this value will follow (:data:`GRAD_SURE`) or can't (:data:`GRAD_NONE`).
 GRAD_SURE, GRAD_NONE = 128, 256
+#: In a forward hook's flags only: ``grad_input`` is captured, so the eager hook looks for inputs
+#: the module changed in place (see ``_hookrt._rescue_inplace``). No kernel or record sees it.
+INPUT_GRAD = 512
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):

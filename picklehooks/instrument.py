@@ -45,13 +45,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _generate, _hookdict, _hookrt, _ops, codec
-from ._shim import PicklehooksError, hub
+from ._shim import HUB_NAME, PicklehooksError, hub
 
 __all__ = ["instrument", "Instrumentation", "CAPTURE_KINDS", "MODES"]
 
 CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "buffer", "param_grad")
 MODES = {"stats": _ops.STATS, "tensor": _ops.TENSOR, "both": _ops.STATS | _ops.TENSOR}
 _NAME_ATTR = "_picklehooks_name"
+# torch.jit.script calls a module's __prepare_scriptable__() first, where it has one: how a module
+# whose hooks TorchScript can't compile says so by name, instead of "Couldn't find method: 'forward'".
+_PREPARE_ATTR = "__prepare_scriptable__"
 
 
 class Instrumentation:
@@ -77,6 +80,8 @@ class Instrumentation:
         self._handles.clear()
         for module in self.modules.values():
             module.__dict__.pop(_NAME_ATTR, None)
+            if getattr(module.__dict__.get(_PREPARE_ATTR), "__module__", None) == HUB_NAME:
+                del module.__dict__[_PREPARE_ATTR]
             _hookdict.restore(module)
         for name, module in self._watching.items():
             _ops.unwatch_grads(module.parameters(recurse=False), name)
@@ -348,9 +353,16 @@ def instrument(
                 _ops.watch_grads(name, [n for n, _ in own], [p for _, p in own], state_flags, claim=True)
                 handle._watching[name] = module
             if type(module).forward is nn.Module.forward:
-                handle.skipped[name] = (f"{type(module).__name__} has no forward of its own (a container); it is "
-                                        "never called, so its hooks would never run and TorchScript can't compile "
-                                        "them; its children are instrumented")
+                reason = (f"{type(module).__name__} has no forward of its own (a container); it is never called, "
+                          "so its hooks would never run and TorchScript can't compile them; its children are "
+                          "instrumented")
+                own = [n for n, p in module.named_parameters(recurse=False) if p is not None]
+                if own and "param" in kinds:
+                    # A ParameterList the parent reads directly: no call of its own to record them at.
+                    reason += (f"; its own parameters ({', '.join(own[:4])}{', ...' if len(own) > 4 else ''}) "
+                               "get no 'param' records" + (" (their 'param_grad' is recorded)"
+                                                           if "param_grad" in kinds else ""))
+                handle.skipped[name] = reason
                 continue
             if scriptable and _overloaded_forward(module):
                 handle.skipped[name] = (f"{type(module).__name__}.forward is overloaded for TorchScript, which "
@@ -375,6 +387,8 @@ def instrument(
                 )
             module.__dict__[_NAME_ATTR] = name
             handle.modules[name] = module
+            if not scriptable and _PREPARE_ATTR not in module.__dict__ and _overloaded_forward(module):
+                module.__dict__[_PREPARE_ATTR] = _hook(_generate.unscriptable_text(name, type(module).__name__))
             _hookdict.prepare(module)
             if (in_flags or params or buffers) and scriptable:
                 text = _generate.pre_hook_text(in_shapes, in_flags, state_flags, params, buffers)
@@ -383,8 +397,10 @@ def instrument(
                 text = _generate.keyword_pre_hook_text(in_flags, state_flags, params, buffers)
                 handle._add(module, "_forward_pre_hooks",
                             module.register_forward_pre_hook(_hook(text), with_kwargs=True), idle=True)
-            if out_flags:
-                text = _generate.forward_hook_text(in_shapes, out_shape, out_flags)
+            # With grad_input, the eager forward hook also finds inputs changed in place (its view's hook is lost).
+            eager_flags = _ops.INPUT_GRAD if in_flags & _ops.GRAD else 0
+            if out_flags or eager_flags:
+                text = _generate.forward_hook_text(in_shapes, out_shape, out_flags, eager_flags)
                 handle._add(module, "_forward_hooks", module.register_forward_hook(_hook(text)),
                             idle=not out_flags & _generate.ALWAYS)
             if profile:

@@ -93,7 +93,38 @@ def module_text(fn: types.FunctionType) -> str:
     """Return the self-contained module text that :func:`portable` encodes for ``fn``."""
     body = _lambda_as_def(fn) if fn.__name__ == "<lambda>" else _def_source(fn)
     header, inline = _header(fn, body)
-    return header + _inline(body, inline)
+    hoisted_body, hoisted = _hoist_imports(body)
+    if hoisted:
+        header, inline = _header(fn, body, hoisted)
+    return header + _inline(hoisted_body, inline)
+
+
+def _hoist_imports(body: str) -> tuple[str, set[str]]:
+    """``body`` with the import statements at the top level of the def moved out, and those statements.
+
+    TorchScript compiles no import statement ("import statements aren't
+    supported"), so a hook that imports inside its def (``import math``)
+    could not be scripted where it travels. Each such line becomes ``pass``,
+    so the def keeps its line numbers and stays valid; an import inside an
+    ``if`` or ``try`` stays where it is.
+    """
+    tree = ast.parse(body)
+    func = tree.body[0]
+    moves = [n for n in func.body if isinstance(n, (ast.Import, ast.ImportFrom))
+             and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+    if not moves:
+        return body, set()
+    lines = body.splitlines(keepends=True)
+    hoisted = set()
+    for node in reversed(moves):
+        hoisted.add(ast.unparse(node))
+        first, last = node.lineno - 1, node.end_lineno - 1
+        if any(other is not node and other.lineno - 1 <= last and other.end_lineno - 1 >= first
+               for other in func.body):
+            return body, set()  # shares a line with another statement (``import math; y = 1``): leave it
+        indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+        lines[first:last + 1] = [indent + "pass\n"] + ["\n"] * (last - first)
+    return "".join(lines), hoisted
 
 
 # --------------------------------------------------------------------------
@@ -237,9 +268,12 @@ def _mutated_names(body: str) -> set[str]:
     return mutated
 
 
-def _header(fn: types.FunctionType, body: str) -> tuple[str, dict[str, str]]:
-    """The imports and module-level constants ``body`` needs, and the constants to write into it instead."""
-    imports: list[str] = []
+def _header(fn: types.FunctionType, body: str, hoisted: set[str] = frozenset()) -> tuple[str, dict[str, str]]:
+    """The imports and module-level constants ``body`` needs, and the constants to write into it instead.
+
+    ``hoisted``: import statements taken out of the def (see :func:`_hoist_imports`).
+    """
+    imports: list[str] = list(hoisted)
     constants: list[str] = []
     inline: dict[str, str] = {}
     mutated = _mutated_names(body)

@@ -21,7 +21,11 @@ def _tf():
     return transformers
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, *, reference: bool = False) -> torch.nn.Module:
+    """The model ``name``; ``reference``: the same model as plain hooks can watch it, where that
+    differs (the ResNet without in-place activations, which would drop a view's gradient hook)."""
+    if name == "resnet":
+        return TinyResNet(inplace=not reference).eval()
     tf = _tf()
     torch.manual_seed(0)
     small = {"attn_implementation": "eager"}
@@ -51,11 +55,11 @@ def build(name: str) -> torch.nn.Module:
     return model.eval()  # no dropout: every form computes the same thing
 
 
-def inputs(name: str) -> dict:
-    """The keyword arguments of one training step (HF models are called with keywords)."""
-    g = torch.Generator().manual_seed(1)
+def inputs(name: str, seed: int = 1) -> dict:
+    """The keyword arguments of one training step (HF models are called with keywords); ``seed``: another batch."""
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 50, (2, 6), generator=g)
-    if name == "vit":
+    if name in ("vit", "resnet"):
         return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g)}
     if name == "t5":
         return {"input_ids": ids, "labels": torch.randint(0, 50, (2, 5), generator=g)}
@@ -79,4 +83,54 @@ def step_loss(out) -> torch.Tensor:
     return sum(v.float().pow(2).mean() for v in parts)
 
 
-NAMES = ["gpt2", "bert", "llama", "t5", "vit"]
+NAMES = ["gpt2", "bert", "llama", "t5", "vit", "resnet"]
+
+
+class BasicBlock(torch.nn.Module):
+    """A ResNet basic block as torchvision writes it: in-place ReLUs and an in-place residual add
+    (``inplace=False``: neither, the same maths)."""
+
+    def __init__(self, channels: int, inplace: bool = True) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(channels)
+        self.relu = torch.nn.ReLU(inplace=inplace)
+        self.conv2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(channels)
+        self.relu2 = torch.nn.ReLU(inplace=inplace)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.relu2.inplace:
+            out += identity
+        else:
+            out = out + identity
+        return self.relu2(out)
+
+
+class TinyResNet(torch.nn.Module):
+    """A torchvision-free ResNet of two basic blocks (torchvision doesn't install beside this torch),
+    called like an HF vision model: ``model(pixel_values=...)`` returns a dict with ``logits``."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(4)
+        self.relu = torch.nn.ReLU(inplace=inplace)
+        self.layer1 = torch.nn.Sequential(BasicBlock(4, inplace), BasicBlock(4, inplace))
+        self.head = torch.nn.Conv2d(4, 4, 1)
+        self.act = torch.nn.LeakyReLU(0.1, inplace=inplace)
+        self.fc = torch.nn.Linear(4, 5)
+        with torch.no_grad():  # running statistics that aren't the identity, so BatchNorm does something
+            for m in self.modules():
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.running_mean.uniform_(-0.5, 0.5)
+                    m.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, pixel_values: torch.Tensor) -> dict:
+        x = self.layer1(self.relu(self.bn1(self.conv1(pixel_values))))
+        x = self.act(self.head(x))
+        return {"logits": self.fc(x.mean(dim=(2, 3)))}

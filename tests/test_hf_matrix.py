@@ -1,7 +1,8 @@
 """Real models, every form: the same records as plain hooks, and the model computes what it did.
 
 Tiny Hugging Face GPT-2, BERT, Llama, T5 (encoder-decoder, keyword-only
-calls) and ViT, built from configs, each run through one training step in
+calls) and ViT, built from configs, and a torchvision-style ResNet with in-place
+activations, each run through one training step in
 eager mode, after ``torch.save`` + load in a fresh process, after
 ``torch.package`` in a fresh process, ``torch.compile(fullgraph=True)`` (no
 graph break, no recompile), ``torch.export`` and ``torch.jit.trace``.
@@ -9,7 +10,9 @@ graph break, no recompile), ``torch.export`` and ``torch.jit.trace``.
 Ground truth comes from plain PyTorch on an un-instrumented copy: forward
 pre-hooks with ``with_kwargs=True`` and forward hooks that clone what each
 module receives and returns, tensor hooks on each output for its gradient,
-and ``.grad`` of each parameter. The instrumented model's loss and
+and ``.grad`` of each parameter (on the ResNet without in-place activations,
+the same maths: a plain view's hook is lost when the next module changes
+the view in place). The instrumented model's loss and
 ``.grad``s must be bitwise those of the un-instrumented model in the same
 form. ``grad_input`` is left out here: eager mode reads it through a view per
 use, which can change the order in which a tensor's gradients are summed
@@ -69,10 +72,10 @@ def ground_truth(name: str, form: str = "eager") -> tuple[dict, set]:
     during tracing (gradients are eager's); for compile and export the
     instrumented model may record a tensor where eager had None.
     """
-    records, nones = _plain_hooks(hf_models.build(name), lambda m: m(**hf_models.inputs(name)))
+    records, nones = _plain_hooks(hf_models.build(name, reference=True), lambda m: m(**hf_models.inputs(name)))
     if form != "trace":
         return records, nones
-    traced, _ = _plain_hooks(hf_models.build(name), lambda m: torch.jit.trace(
+    traced, _ = _plain_hooks(hf_models.build(name, reference=True), lambda m: torch.jit.trace(
         m, example_kwarg_inputs=hf_models.inputs(name), strict=False, check_trace=False)(**hf_models.inputs(name)))
     forward = {k: v for k, v in traced.items() if k[1] in ("input", "output", "param", "buffer")}
     return {**forward, **{k: v for k, v in records.items() if k[1] not in ("input", "output", "param", "buffer")}}, set()
