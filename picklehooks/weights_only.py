@@ -34,6 +34,7 @@ import importlib
 import os
 import sys
 import types
+import zipfile
 from typing import Any, Iterable
 
 import torch
@@ -132,17 +133,29 @@ def safe_globals(
         if everything:
             raise PicklehooksError("everything=True needs a file: the globals a model pickles to are known once saved")
         return _unique(_module_hooks(source))
-    from .audit import find_hooks  # the audit reads files; only this path needs it
+    from .audit import AuditError, audit_file  # the audit reads files; only this path needs it
 
     path = os.fspath(source)
-    entries = find_hooks(path)
+    try:
+        report = audit_file(path)
+    except AuditError as exc:
+        raise PicklehooksError(f"can't read {path!r}: {exc}") from None
+    if report.problems or report.irregular:
+        raise PicklehooksError(f"can't read {path!r} completely: {(report.problems or report.irregular)[0]}")
+    entries = report.entries
     broken = [e for e in entries if e.error]
     if broken:
         raise PicklehooksError(f"{path!r}: hook {broken[0].name[:24]}... does not decode: {broken[0].error}")
     others: list[str] = []
     if everything:
-        others = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                  if not g.startswith(HUB_NAME + ".")]
+        if zipfile.is_zipfile(path):
+            try:
+                found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except (RuntimeError, ValueError, OSError) as exc:  # torch's zip reader: a bad CRC, a broken directory
+                raise PicklehooksError(f"can't read {path!r} as a torch.save checkpoint: {exc}") from None
+        else:  # legacy torch.save: torch's checker reads zips only; the audit read what weights_only reads
+            found = [g.path for g in report.unsafe]
+        others = [g for g in found if not g.startswith(HUB_NAME + ".")]
         refused = sorted(g for g in others if _dangerous(g))
         if refused:
             raise PicklehooksError(

@@ -7,8 +7,24 @@
 * a ``torch.package`` archive (a zip with ``.pkl`` resources anywhere, and
   the Python modules it bundles),
 * a legacy ``torch.save`` file (several pickles, then raw storage bytes),
-  and the legacy *tar* format (``storages``, ``tensors``, ``pickle``), or
+  and the legacy *tar* format (``storages``, ``tensors``, ``pickle``),
+* a NumPy ``.npy`` file, or ``.npz`` (a zip of them): the header (magic,
+  version, header length, dict literal, read without numpy), and behind it
+  the pickle ``numpy.load(allow_pickle=True)`` runs when the ``descr`` may
+  hold objects (``'|O'``); an array of plain data is fine, or
 * a plain pickle of any protocol (0-5), possibly several concatenated,
+
+each part as CPython's C unpickler reads it: text literals (``INT``,
+``LONG``, ``FLOAT``, ``GET``, ``PUT``) end at a NUL as C strings do, and
+``strtol`` takes any number of leading zeros. FRAMEs: ``pickle.loads``
+reads a frame in place, but a file reader (``pickle.load``; ``torch.load``,
+also for ``data.pkl`` through ``BytesIO``) reads it as one buffer and,
+where an argument runs past the frame's end, drops the rest of the frame
+and reads on after it; after a STOP inside a frame it starts the next pickle
+at the frame's end. Every FRAME whose declared length does not end on an
+opcode boundary is reported UNSAFE, naming its offset, and the part is
+read each way (in place, dropping as ``BytesIO`` does, then the mixes a
+buffered file can make, up to 16 readings per part),
 
 and reports
 
@@ -27,7 +43,8 @@ and reports
   ``picklehooks`` modules are the ones this version writes (a tampered
   ``picklehooks/_shim.py`` is UNSAFE);
 * every part it could not read completely: "could not read X: ...; treat as
-  unsafe".
+  unsafe";
+* every FRAME that does not end on an opcode boundary, as UNSAFE.
 
 Nothing from the file runs. The opcodes are read by a symbolic machine
 (:mod:`._machine`) that follows ``_pickle.c``'s rules but builds placeholders
@@ -38,8 +55,9 @@ with :mod:`ast`, never compiled.
 Exit status of ``inspect`` (bits, added together): 0 everything read, only
 allowlisted globals and decodable hooks; 1 the file can't be audited (one
 line on stderr, nothing on stdout; also when a bound below is hit);
-2 a hook name doesn't decode; 4 something is UNSAFE; 8 some part could not
-be read completely.
+2 a hook name doesn't decode; 4 something is UNSAFE (a global outside the
+allowlist, bundled code, an irregular FRAME); 8 some part could not be read
+completely.
 
 Bounds (memory and time grow with the file's size, never beyond a cap; see
 :mod:`._limits`): bytes read from archive members, 32x the file's size
@@ -54,7 +72,8 @@ consulted). Module paths are known only where the pickle shows them (see
 :mod:`._hooks`). Globals reached through ``copyreg`` extension codes, or
 through calls other than ``getattr``/``import_module``/``__import__``/
 ``picklehooks._shim.hub``, are not named, but the calls that reach them are
-themselves UNSAFE globals. Only ``.pkl`` members of a zip are read.
+themselves UNSAFE globals. Only ``.pkl`` members of a zip, and members that
+start like a ``.npy`` file, are read. Integers follow a 64-bit C ``long``.
 """
 
 from __future__ import annotations

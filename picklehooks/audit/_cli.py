@@ -99,6 +99,12 @@ def _print(report: AuditReport, shown: str) -> None:
     )
     for use in sorted(report.globals, key=lambda u: (u.status != "UNSAFE", u.status, u.path)):
         out(_global_line(use.path, use.status, use.called, use.resources))
+    if report.irregular:
+        out("")
+        out(f"frames: {len(report.irregular)} UNSAFE (a file reader and pickle.loads read what follows differently; "
+            "both readings are audited above)")
+        for message in report.irregular:
+            out(f"  UNSAFE  {printable(message, one_line=True)}")
     if report.bundled:
         out("")
         out(f"bundled modules: {len(report.bundled)} (importing the archive runs them)")
@@ -129,8 +135,9 @@ def main(path: str) -> int:
     names only allowlisted globals and decodable picklehooks hooks;
     1 when the file can't be audited at all (one error line on stderr,
     nothing on stdout); 2 when a hook name does not decode; 4 when the file
-    names an unsafe global or bundles code; 8 when some part could not be
-    read completely ("could not read ...; treat as unsafe").
+    names an unsafe global, bundles code, or has a FRAME that does not end
+    on an opcode boundary; 8 when some part could not be read completely
+    ("could not read ...; treat as unsafe").
     """
     shown = printable(os.fspath(path), one_line=True)
     try:

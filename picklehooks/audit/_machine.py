@@ -3,11 +3,26 @@
 :class:`Machine` has its own opcode reader instead of
 :func:`pickletools.genops`, because the two disagree on what a pickle is:
 ``pickletools`` parses ``INT``/``LONG`` literals with ``int(s)`` while
-``_pickle.c`` uses ``strtol(s, 0)`` and ``int(s, 0)``, so ``I0x10``,
-``I017`` (octal) or ``L1_000L`` load fine but stop ``genops``, and an audit
-built on it silently missed everything after them. The literal rules below
-follow CPython's ``Modules/_pickle.c`` (``load_int``, ``load_long``,
+``_pickle.c`` uses ``strtol(s, 0)`` and ``int(s, 0)`` on a C string, so
+``I0x10``, ``I017`` (octal), ``I5\\x00`` (the line ends at the NUL) or
+``L1_000L`` load fine but stop ``genops``, and an audit built on it silently
+missed everything after them. The literal rules below follow CPython's
+``Modules/_pickle.c`` (``load_int``, ``load_long``, ``load_float``,
 ``load_get``, ``load_put``, ``load_string``).
+
+FRAMEs: ``pickle.loads`` reads its buffer straight through, so a FRAME only
+groups opcodes. The C unpickler reading a *file* (``pickle.load``, and
+``torch.load``, which reads ``data.pkl`` through ``BytesIO``) reads a frame
+as one buffer (``_Unpickler_ReadImpl``): an argument that runs past the
+frame's end is read again from the stream after the frame, and the rest of
+the frame is dropped; a text line likewise (``_Unpickler_Readline``); only
+``BINBYTES``-like data continues across (``_Unpickler_ReadInto``); after a
+STOP the next pickle starts at the frame's end. A buffered file (``open()``)
+takes a small frame from its own buffer instead, which reads in place. So
+wherever a FRAME's declared length does not end on an opcode boundary, the
+readers differ: the machine records each such FRAME (:attr:`Reading.irregular`)
+and, at each point where they differ, takes the branch its :class:`Reading`
+says, so that the caller can read the part each way.
 
 Each opcode becomes a symbolic value (:mod:`._values`); no import, no call,
 no ``__setstate__``. The stack, mark and memo discipline mirrors
@@ -17,13 +32,17 @@ Limits: at most :data:`._limits.MAX_OPCODES` opcodes per file; the total
 length of the distinct global paths is bounded too (memoized strings would
 otherwise let a small file name gigabytes of paths). Extension codes
 (``EXT1``...) name globals through ``copyreg``'s registry, which the file
-can't fill; they are reported as placeholders.
+can't fill; they are reported as placeholders. Integers follow a 64-bit
+``long`` (Linux, macOS).
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import math
+import re
 import struct
+import sys
 from typing import Any
 
 from .._shim import HUB_NAME
@@ -88,34 +107,127 @@ def path_of(value: Any) -> str | None:
     return None
 
 
+# C's isspace() in the C locale: what strtol skips.
+_C_SPACE = b" \t\n\v\f\r"
+_DIGITS = {8: b"01234567", 10: b"0123456789", 16: b"0123456789abcdefABCDEF"}
+# What _Py_dg_strtod and _Py_parse_inf_or_nan read: no space, no "_", no hex.
+_C_FLOAT = re.compile(rb"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)", re.IGNORECASE)
+
+
+def _c_string(text: bytes) -> bytes:
+    """A text argument (without its newline) as C reads it: the line with its newline, up to the first NUL."""
+    if not text:  # _pickle.c refuses a line shorter than 2 bytes
+        raise ValueError("an empty line")
+    return (text + b"\n").partition(b"\0")[0]
+
+
+def _strtol(s: bytes) -> tuple[int | None, int]:
+    """glibc's ``strtol(s, &end, 0)`` for a 64-bit long: the value (None on overflow) and ``end``."""
+    i, n = 0, len(s)
+    while i < n and s[i] in _C_SPACE:
+        i += 1
+    negative = s[i : i + 1] == b"-"
+    if s[i : i + 1] in (b"-", b"+"):
+        i += 1
+    base = 10
+    if s[i : i + 1] == b"0":
+        if s[i + 1 : i + 2] in (b"x", b"X"):
+            base, i = 16, i + 2
+        else:
+            base = 8
+    start, digits = i, _DIGITS[base]
+    while i < n and s[i] in digits:
+        i += 1
+    if i == start:  # no number: 0, and `end` is the start (or the "x" of a bare "0x")
+        return 0, start - 1 if base == 16 else 0
+    significant = s[start:i].lstrip(b"0")  # any number of leading zeros is fine
+    if len(significant) > 22:
+        return None, i
+    value = int(significant or b"0", base)
+    value = -value if negative else value
+    return (value if -(1 << 63) <= value < (1 << 63) else None), i
+
+
 def _c_int(text: bytes) -> int:
     """``INT``'s literal as ``_pickle.c``'s ``load_int`` reads it: ``strtol(s, 0)``, then ``int(s, 0)``."""
-    if text in (b"00", b"01"):  # protocol 0's False and True
-        return bool(int(text))
-    body = text.lstrip(b" \t\n\v\f\r")
-    sign = -1 if body[:1] == b"-" else 1
-    digits = body[1:] if body[:1] in (b"-", b"+") else body
-    base = 10
-    if digits[:2].lower() == b"0x" and digits[2:3] and digits[2:3] in b"0123456789abcdefABCDEF":
-        base, digits = 16, digits[2:]
-    elif digits[:1] == b"0":
-        base = 8
-    allowed = b"0123456789abcdefABCDEF"[: base + (6 if base == 16 else 0)]
-    if digits and all(c in allowed for c in digits) and len(digits) < 64:
-        value = sign * int(digits, base)
-        if -(1 << 63) <= value < (1 << 63):  # strtol's range; beyond it C falls back to int(s, 0)
-            return value
-    return int(text, 0)  # ValueError (no number, or over 4,300 digits) is malformed, as in C
+    s = _c_string(text)
+    value, end = _strtol(s)
+    if value is not None and s[end : end + 1] in (b"", b"\n"):
+        # A 3-byte line ("00\n", " 1\n") holding 0 or 1 is protocol 0's False or True.
+        return bool(value) if len(text) == 2 and value in (0, 1) else value
+    return int(s, 0)  # ValueError (no number, or over 4,300 digits) is malformed, as in C
+
+
+def _c_long(text: bytes) -> int:
+    """``LONG``'s literal (``load_long``): a final "L" ends the C string, then ``int(s, 0)``."""
+    return int(_c_string(text[:-1] if text.endswith(b"L") else text), 0)
+
+
+def _c_float(text: bytes) -> float:
+    """``FLOAT``'s literal (``load_float``): ``PyOS_string_to_double`` up to a newline or NUL."""
+    s = _c_string(text)
+    match = _C_FLOAT.match(s)
+    if match is None or s[match.end() : match.end() + 1] not in (b"", b"\n"):
+        raise ValueError("could not convert string to float")
+    value = float(match.group())
+    if math.isinf(value) and not match.group().lstrip(b"+-")[:1].isalpha():  # C: ERANGE, not "inf"
+        raise OverflowError("value too large to convert to float")
+    return value
+
+
+def _memo_index(text: bytes) -> int:
+    """``GET``/``PUT``'s index (``load_get``, ``load_put``): ``int(s, 10)`` on the C string."""
+    return int(_c_string(text), 10)
+
+
+class Reading:
+    """How a file reader takes the FRAMEs of one part of a file, and what it found in them.
+
+    At each *point* where readers differ (an argument, line or FRAME that runs
+    past the end of a frame, a STOP inside one) the machine either reads on in
+    place (``pickle.loads``, and a buffered file whose buffer holds the frame)
+    or drops the rest of the frame (a file reader that read the frame as its
+    buffer). ``exact`` takes every point as a file reader without a buffer of
+    its own (``BytesIO``: ``torch.load``'s ``data.pkl``) does; otherwise
+    ``choices`` gives the branch at the first points, in order (True: drop),
+    and the rest read in place. ``taken`` records every point's branch,
+    ``first_drop`` the index of the pickle where the reading first dropped
+    bytes, and ``irregular`` a message per FRAME that does not end on an
+    opcode boundary.
+    """
+
+    def __init__(self, choices: tuple[bool, ...] = (), exact: bool = False) -> None:
+        self.choices, self.exact = choices, exact
+        self.taken: list[bool] = []
+        self.first_drop: int | None = None
+        self.irregular: dict[int, str] = {}
+
+    @property
+    def primary(self) -> bool:
+        """Whether this is ``pickle.loads``' reading (every point read in place)."""
+        return not self.exact and not any(self.choices)
+
+
+_NO_END = sys.maxsize  # no FRAME end ahead
 
 
 class Machine:
     """Interprets the pickles of one buffer (bytes or mmap) between ``start`` and ``end``."""
 
-    def __init__(self, buf: Any, start: int, end: int, limits: Limits, what: str) -> None:
+    def __init__(self, buf: Any, start: int, end: int, limits: Limits, what: str, reading: Reading | None = None) -> None:
         self.buf, self.pos, self.end = buf, start, end
         self.limits, self.what = limits, what
+        self.reading = reading if reading is not None else Reading()
         self._global_cache: dict[tuple[str, str, str], Global] = {}
         self._table = self._dispatch()
+        # FRAMEs whose end lies ahead, innermost (nearest end) last: (end, offset of the FRAME, its length).
+        # They persist across pickles: a frame may run past a STOP.
+        self.ends: list[tuple[int, int, int]] = []
+        self.next_end = _NO_END
+        # The end of the buffer a file reader without one of its own holds (the frame it read last), or None.
+        self.region: int | None = None
+        self.pickles = 0  # pickles begun, for Reading.first_drop
+        self.op = start  # offset of the opcode being read
 
     # ------------------------------------------------------------------
     # One pickle.
@@ -135,9 +247,12 @@ class Machine:
         try:
             while True:
                 pos = self.pos
+                if pos >= self.next_end:  # a frame ended here, on an opcode boundary
+                    self._pass_ends(pos)
                 if pos >= end:
                     raise Malformed(f"pickle ends at byte {pos} before its STOP opcode")
                 code = buf[pos]
+                self.op = pos
                 self.pos = pos + 1
                 count += 1
                 if count > budget:
@@ -157,10 +272,25 @@ class Machine:
             self.limits.opcodes_left -= count
             message = f"byte {pos} ({bytes([buf[pos]])!r}) is not readable: {type(exc).__name__}: {str(exc)[:200]}"
             raise Malformed(message, self._parsed(None, pos)) from None
+        finally:
+            self.pickles += 1
         self.limits.opcodes_left -= count
+        for frame_end, frame, length in self.ends:
+            if frame_end > self.pos:
+                self._flag(frame, length, frame_end, f"runs past the STOP at byte {pos}: a file reader starts what follows at byte {frame_end}, pickle.loads after the STOP")
         if not self.stack:
             raise Malformed(f"STOP with an empty stack at byte {pos}", self._parsed(None, pos))
         return self._parsed(self.stack[-1], self.pos, root_taken=True)
+
+    def resume(self) -> None:
+        """Move to where a file reader reads on after a pickle: after its STOP, or at the end of the FRAME around it."""
+        pos = self.pos
+        for frame_end, _, _ in reversed(self.ends):
+            if frame_end > pos and self._drop(frame_end):
+                self.pos = frame_end
+                break
+        self.ends.clear()
+        self.next_end, self.region = _NO_END, None
 
     def _parsed(self, root: Any, end: int, root_taken: bool = False) -> Parsed:
         # Every value built is now reachable from the root, from the rest of
@@ -176,9 +306,15 @@ class Machine:
     # Reading arguments. Lengths come from the file: check them against
     # what is there before slicing, so a forged length allocates nothing.
 
-    def _read(self, n: int) -> Any:
+    def _read(self, n: int, drops: bool = True) -> Any:
+        """``n`` bytes of argument; ``drops=False`` for the data of BINBYTES and BYTEARRAY8, which
+        ``_Unpickler_ReadInto`` reads on across a frame's end."""
         pos = self.pos
-        if n < 0 or pos + n > self.end:
+        if n < 0:
+            raise Malformed(f"an argument at byte {pos} claims {show(n)} bytes")
+        if pos + n > self.next_end:
+            pos = self._cross(pos, pos + n, drops)
+        if pos + n > self.end:
             raise Malformed(f"an argument at byte {pos} claims {show(n)} bytes, past the end of the pickle")
         self.pos = pos + n
         return self.buf[pos : pos + n]
@@ -188,8 +324,63 @@ class Machine:
         nl = self.buf.find(b"\n", pos, self.end)
         if nl < 0:
             raise Malformed(f"a text argument at byte {pos} has no end of line")
+        if nl >= self.next_end:
+            # A dropping reader reads the line again from the frame's end: the same newline ends it.
+            pos = self._cross(pos, nl + 1, True)
         self.pos = nl + 1
         return bytes(self.buf[pos:nl])
+
+    # ------------------------------------------------------------------
+    # FRAME ends.
+
+    def _pass_ends(self, pos: int) -> None:
+        ends = self.ends
+        while ends and ends[-1][0] <= pos:
+            if ends.pop()[0] == self.region:
+                self.region = None
+        self.next_end = ends[-1][0] if ends else _NO_END
+
+    def _cross(self, pos: int, stop: int, drops: bool) -> int:
+        """A read from ``pos`` to ``stop`` runs past the end of FRAMEs: flag each; return where the read starts.
+
+        That is ``pos``, or the end of a frame whose rest this reading drops.
+        """
+        self._pass_ends(pos)
+        ends = self.ends
+        while ends and ends[-1][0] < stop:
+            frame_end, frame, length = ends.pop()
+            if drops:
+                how = (f"inside the opcode at byte {self.op}: a file reader drops the rest of the frame and reads "
+                       f"its argument from byte {frame_end} on, pickle.loads in place")
+            else:
+                how = f"inside the bytes of the opcode at byte {self.op}"
+            self._flag(frame, length, frame_end, how)
+            dropped = drops and self._drop(frame_end)
+            if frame_end == self.region:
+                self.region = None
+            if dropped:
+                ends.clear()
+                pos, self.region = frame_end, None
+        self.next_end = ends[-1][0] if ends else _NO_END
+        return pos
+
+    def _drop(self, frame_end: int) -> bool:
+        """At a point where readers differ: whether this reading drops the rest of the frame ending at ``frame_end``."""
+        reading = self.reading
+        point = len(reading.taken)
+        if reading.exact:
+            drop = frame_end == self.region
+        else:
+            drop = point < len(reading.choices) and reading.choices[point]
+        reading.taken.append(drop)
+        if drop and reading.first_drop is None:
+            reading.first_drop = self.pickles
+        return drop
+
+    def _flag(self, frame: int, length: int, frame_end: int, how: str) -> None:
+        message = (f"FRAME at byte {frame} of {self.what} declares {length} bytes, which end at byte {frame_end}, "
+                   f"not on an opcode boundary: {how}")
+        self.reading.irregular.setdefault(frame, message)
 
     def _uint(self, n: int) -> int:
         return int.from_bytes(self._read(n), "little")
@@ -221,6 +412,24 @@ class Machine:
 
     # ------------------------------------------------------------------
     # Globals and calls.
+
+    def _python_global_at_end(self, start: int) -> None:
+        """A GLOBAL/INST whose lines run to the end of the file without a newline.
+
+        ``_pickle.c`` refuses it, but ``pickle._Unpickler`` (the pure-Python one) takes each line
+        as ``readline()[:-1]``, and so imports a module before it fails: name that global.
+        """
+        rest = bytes(self.buf[start : self.end])
+        if self.ends or rest.count(b"\n") > 1:  # inside a frame it fails before resolving anything
+            return
+        module, newline, name = rest.partition(b"\n")
+        module, name = (module, name[:-1]) if newline else (module[:-1], b"")
+        try:
+            module_text, name_text = module.decode("utf-8"), name.decode("utf-8")
+        except UnicodeDecodeError:
+            return
+        if module_text:
+            self._global(module_text, name_text)
 
     def _global(self, module: Any, name: Any, via: str = "global") -> Global:
         if not isinstance(module, str) or not isinstance(name, str):
@@ -335,14 +544,19 @@ class Machine:
                 raise Malformed(f"unsupported pickle protocol {self.proto}")
 
         def string_nl() -> None:  # STRING: a quoted, escaped repr
-            text = line().rstrip()
+            text = line()
             if not (len(text) >= 2 and text[0] == text[-1] and text[:1] in (b"'", b'"')):
                 raise Malformed(f"STRING argument at byte {self.pos} is not quoted")
             push(_text(_escape_decode(text[1:-1])))
 
         def global_nl(inst: bool):
             def op() -> None:
-                module, name = line().decode("utf-8"), line().decode("utf-8")
+                start = self.pos
+                try:
+                    module, name = line().decode("utf-8"), line().decode("utf-8")
+                except Malformed:
+                    self._python_global_at_end(start)
+                    raise
                 g = self._global(module, name)
                 if inst:
                     push(self._call(g, tuple(pop_mark())))
@@ -398,17 +612,27 @@ class Machine:
             add_items([pop()])
 
         def frame() -> None:
-            read(8)  # framing only groups opcodes
+            at = self.op
+            length = self._uint(8)
+            pos = self.pos
+            if pos + length > self.next_end:  # runs past the frame it sits in: a dropping reader reads it from there
+                pos = self.pos = self._cross(pos, pos + length, True)
+            if pos + length > self.end:
+                raise Malformed(f"the FRAME at byte {at} declares {show(length)} bytes, past the end of the pickle")
+            if self.region is None or pos + length > self.region:  # else a reader without a buffer has it already
+                self.region = pos + length
+            if length:
+                self.ends.append((pos + length, at, length))
+                self.next_end = pos + length
 
         def readonly_buffer() -> None:
             top()
 
         def float_nl() -> None:
-            push(float(line()))
+            push(_c_float(line()))
 
         def long_nl() -> None:
-            text = line()
-            push(int(text[:-1] if text.endswith(b"L") else text, 0))
+            push(_c_long(line()))
 
         def long_bin(width: int):
             def op() -> None:
@@ -418,9 +642,11 @@ class Machine:
             return op
 
         def string_bin(width: int, signed: bool, kind: str):
+            drops = kind not in ("bytes", "bytearray")  # _pickle.c reads those with _Unpickler_ReadInto
+
             def op() -> None:
                 n = self._int4() if signed else self._uint(width)
-                data = read(n)
+                data = read(n, drops)
                 if kind == "str":
                     push(bytes(data).decode("utf-8", "surrogatepass"))
                 elif kind == "string":
@@ -459,14 +685,14 @@ class Machine:
             "d": dict_op,
             "}": lambda: push(PDict()),
             "e": lambda: add_items(pop_mark()),
-            "g": lambda: memo_get(int(line(), 10)),
+            "g": lambda: memo_get(_memo_index(line())),
             "h": lambda: memo_get(read(1)[0]),
             "i": global_nl(inst=True),
             "j": lambda: memo_get(self._uint(4)),
             "l": lambda: push(pop_mark()),
             "]": lambda: push([]),
             "o": obj,
-            "p": lambda: memo_put(int(line(), 10)),
+            "p": lambda: memo_put(_memo_index(line())),
             "q": lambda: memo_put(read(1)[0]),
             "r": lambda: memo_put(self._uint(4)),
             "s": setitem,

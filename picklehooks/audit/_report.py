@@ -64,6 +64,9 @@ class AuditReport:
     problems: list[str]  # "could not read ...; treat as unsafe", one per part
     imports: dict[str, list[str] | str]  # hook name -> its imports, or why they are unknown
     limits: Limits
+    # FRAMEs that don't end on an opcode boundary, one message each: file readers and pickle.loads
+    # read such a file differently (both readings are audited), which no pickler writes: UNSAFE.
+    irregular: list[str] = field(default_factory=list)
 
     @property
     def unsafe(self) -> list[GlobalUse]:
@@ -78,7 +81,7 @@ class AuditReport:
         code = 0
         if any(e.error is not None for e in self.entries):
             code |= EXIT_UNDECODABLE
-        if self.unsafe or self.unsafe_bundled:
+        if self.unsafe or self.unsafe_bundled or self.irregular:
             code |= EXIT_UNSAFE
         if self.problems:
             code |= EXIT_INCOMPLETE
@@ -201,7 +204,7 @@ def _report(path: str, contents: Contents, limits: Limits) -> AuditReport:
             except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
                 imports[entry.name] = f"unknown: the text does not parse ({type(exc).__name__}: {str(exc)[:200]})"
     found = _globals([(r.name, r.parsed) for r in contents.resources])
-    return AuditReport(path, entries, found, contents.bundled, problems, imports, limits)
+    return AuditReport(path, entries, found, contents.bundled, problems, imports, limits, list(contents.irregular))
 
 
 def find_hooks(path: str | os.PathLike[str]) -> list[HookEntry]:
@@ -210,10 +213,13 @@ def find_hooks(path: str | os.PathLike[str]) -> list[HookEntry]:
     >>> [e.name for e in find_hooks("model.pt") if not e.foreign]   # doctest: +SKIP
 
     Raises :class:`AuditError` if the file, or any part of it, can't be read
-    completely, or is not a pickle, ``torch.save`` checkpoint or
-    ``torch.package`` archive.
+    completely, is read differently by file readers and ``pickle.loads``
+    (a FRAME that does not end on an opcode boundary), or is not a pickle,
+    ``torch.save`` checkpoint, ``torch.package`` archive or NumPy file.
     """
     report = audit_file(path)
     if report.problems:
         raise AuditError(report.problems[0])
+    if report.irregular:
+        raise AuditError(f"{report.irregular[0]}; treat as unsafe")
     return report.entries
