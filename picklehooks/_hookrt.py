@@ -54,6 +54,8 @@ _range_enter = torch.ops.picklehooks.range_enter
 _range_exit = torch.ops.picklehooks.range_exit
 
 
+# None under an older picklehooks on the host of a torch.package archive made by this version.
+_graph_site = getattr(_ops, "graph_site", None)
 _is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
 _is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_scripting() call
 _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
@@ -325,6 +327,10 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
         # Only tracing knows whether this value gets a gradient (a no_grad block inside the
         # model): the compiled forward runs without autograd. Tell the kernels, for pairing.
         flags |= _ops.GRAD_SURE if x.requires_grad else _ops.GRAD_NONE
+        if x.requires_grad and _graph_site is not None:
+            # The record op and the tap op share a site, so that the gradient finds this call
+            # however the compiled backward is ordered (see _ops.graph_site).
+            flags |= _graph_site() << _ops._SITE_SHIFT
     if flags & _ops.VALUE:
         if _stats_in_graph(x, flags):
             _record_stats(_stats.graph_stats(x), name, kind, path, flags, x.shape, x.dtype)

@@ -377,6 +377,8 @@ def _record_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: in
     log = _active_log()  # _deliver(), inlined: every value a graph or scripted hook records comes here
     if log is not None:
         log._add_tensor(module, kind, path, x, flags)
+        if flags >> _SITE_SHIFT:
+            _note_site(log, module, kind, path, flags)
 
 
 def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str, flags: int, shape: list,
@@ -384,6 +386,52 @@ def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str,
     log = _state.active()
     if log is not None:
         log._add_stats(module, kind, path, stats, flags, tuple(shape), dtype)
+        if flags >> _SITE_SHIFT:
+            _note_site(log, module, kind, path, flags)
+
+
+# Gradient pairing by tap site, for compiled graphs. A gradient record takes the latest call of its
+# module that awaits one (Log._next_call): right in eager mode, where backward runs in reverse, but
+# Inductor orders a backward graph's kernels as it likes, so a module called twice on independent
+# branches could get its two gradients swapped. In a graph being compiled, the record op and the
+# tap op of one value share a site number (graph_site(), above the flag bits); the record op's
+# kernel notes which call that site's value got, and tap_grad's kernel moves that call to the end
+# of the awaiting list, where the log takes it from.
+_SITE_CALLS_KEPT = 64  # per site: forwards of one graph whose backward never comes (inference)
+
+
+def graph_site() -> int:
+    """A new tap site number (never 0), constant in the graph being traced."""
+    return 1 + next(_SITES) % (_SITE_MODULUS - 1)
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo here: Dynamo
+# calls the function while tracing and puts the number in the graph as a constant, with no guard.
+graph_site._dynamo_marked_constant = True
+
+
+def _note_site(log, module: str, kind: str, path: str, flags: int) -> None:
+    waiting = log._awaiting_grad.get((module, kind, path))
+    if not waiting:
+        return  # no gradient awaited for this value: nothing to pair
+    sites = log.__dict__.setdefault("_site_calls", {})
+    calls = sites.setdefault((module, kind, path, flags >> _SITE_SHIFT), [])
+    calls.append(waiting[-1])
+    if len(calls) > _SITE_CALLS_KEPT:
+        del calls[0]
+
+
+def _pair_by_site(log, module: str, kind: str, path: str, flags: int) -> None:
+    """Before a gradient of ``kind`` is recorded: make the call its tap site's value got the one taken."""
+    sites = log.__dict__.get("_site_calls")
+    calls = sites and sites.get((module, kind[len("grad_"):], path, flags >> _SITE_SHIFT))
+    if not calls:
+        return
+    call = calls.pop()
+    waiting = log._awaiting_grad.get((module, kind[len("grad_"):], path))
+    if waiting and waiting[-1] != call and call in waiting:
+        waiting.remove(call)
+        waiting.append(call)
 
 
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
@@ -435,6 +483,8 @@ def _tap_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: int) 
         log = _state.active()
         if log is not None:
             log._note_call(module, kind, path, x, flags)  # so the gradient's record gets the right call
+            if flags >> _SITE_SHIFT:
+                _note_site(log, module, kind, path, flags)
     return x.clone()
 
 
@@ -442,7 +492,10 @@ def _tap_grad_kernel(g: torch.Tensor, module: str, kind: str, path: str, flags: 
     if flags & GUARD:
         check_finite(g, module, kind, path, from_autograd=True)
     if flags & GRAD:
-        _deliver(g, module, kind, path, flags, from_autograd=True)
+        log = _state.active(from_autograd=True)
+        if log is not None:
+            _pair_by_site(log, module, kind, path, flags)
+            _deliver(g, module, kind, path, flags, from_autograd=True)
     return g.clone()
 
 
@@ -473,7 +526,8 @@ class _TapFunction(torch.autograd.Function):
         # A number per tap site, above the flag bits: two calls of one module whose
         # gradients are the same tensor (f(a) + f(b)) must not look like one call to a
         # compiler's common-subexpression elimination in the backward graph.
-        ctx.site = next(_SITES) % _SITE_MODULUS
+        # A graph being compiled gave this value's record op and tap op one site (graph_site()).
+        ctx.site = flags >> _SITE_SHIFT or next(_SITES) % _SITE_MODULUS
         if _runs_as_is(x):  # (forward runs under no_grad: the kernel's clone is this Function's output)
             return _tap_kernel(x, module, kind, path, flags)
         return _tap_below_autograd(x, module, kind, path, flags)

@@ -795,3 +795,31 @@ def test_scripting_a_model_whose_overloaded_module_is_instrumented_names_the_fix
     handle = picklehooks.instrument(model, scriptable=True)
     assert "lstm" in handle.skipped
     assert torch.equal(torch.jit.script(model)(*args), plain)
+
+
+class _SharedOnTwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.shared(self.a(x)) + self.shared(self.b(x)) * 2
+
+
+@pytest.mark.parametrize("capture", [("input", "output", "grad_output"), ("grad_output",)])
+def test_compiled_gradients_pair_with_their_own_call(capture, no_recompiles):
+    """Inductor orders the backward as it likes: each call's gradient still gets that call's number."""
+    def records(compiled: bool) -> dict:
+        model = _SharedOnTwoBranches()
+        picklehooks.instrument(model, capture=capture, mode="tensor")
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        torch.manual_seed(1)
+        with picklehooks.record() as log:
+            run(torch.randn(2, 3, requires_grad=True)).sum().backward()
+        return {r.key: r.tensor for r in log.records if r.module == "shared"}
+
+    want, got = records(False), records(True)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
