@@ -581,10 +581,10 @@ def _rescue_inplace(inputs: tuple) -> None:
             continue  # not the in-place pattern (the base was changed some other way): leave the view's hook
         # The view's node is bypassed, unless the module read the view before changing it: then
         # it would record this call a second time. (Autograd has detached the dict from the view.)
-        recorder = next((h for h in hooks.values() if isinstance(h, _GradRecorder)), None)
-        if recorder is None:
+        mine = [k for k, h in hooks.items() if isinstance(h, _GradRecorder)]
+        if not mine:
             continue
-        hooks.clear()
+        recorder = hooks.pop(mine[0])  # only ours: a hook the forward put on its input stays
         node.register_hook(_InplaceGrad(recorder))
 
 
