@@ -27,6 +27,10 @@ a value"). Non-finite floats are written ``math.inf``, ``math.nan`` and
 ``-1e999``, never as calls. A name the def rebinds somewhere (a lambda
 parameter, say), or reads inside an f-string, stays a module constant.
 
+Import statements at the top level of the def move to the text's header,
+so that TorchScript can compile the hook: the module is then imported when
+the hook is loaded, not when it first runs.
+
 Limits: ``portable`` needs the function's source (a file, not the REPL),
 refuses ``nonlocal`` and ``global`` writes (a portable hook can't share state
 with its creator), and bakes values as they are *now*: later changes to a
@@ -106,7 +110,9 @@ def _hoist_imports(body: str) -> tuple[str, set[str]]:
     supported"), so a hook that imports inside its def (``import math``)
     could not be scripted where it travels. Each such line becomes ``pass``,
     so the def keeps its line numbers and stays valid; an import inside an
-    ``if`` or ``try`` stays where it is.
+    ``if`` or ``try`` stays where it is. So a hoisted module is imported when
+    the hook is loaded, not when it first runs: a host that loads the hook
+    needs it installed.
     """
     tree = ast.parse(body)
     func = tree.body[0]
@@ -119,7 +125,7 @@ def _hoist_imports(body: str) -> tuple[str, set[str]]:
     for node in reversed(moves):
         hoisted.add(ast.unparse(node))
         first, last = node.lineno - 1, node.end_lineno - 1
-        if any(other is not node and other.lineno - 1 <= last and other.end_lineno - 1 >= first
+        if node.lineno == func.lineno or any(other is not node and other.lineno - 1 <= last and other.end_lineno - 1 >= first
                for other in func.body):
             return body, set()  # shares a line with another statement (``import math; y = 1``): leave it
         indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
