@@ -130,6 +130,11 @@ class _Probe(OrderedDict):
         return self.truth
 
 
+# torch.nn.modules.module's global hook dictionaries, which works() sets aside while it probes.
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+
+
 @functools.lru_cache(maxsize=None)
 def works() -> bool:
     """True when ``nn.Module`` runs a module's forward hooks exactly when their dictionary is truthy."""
@@ -154,7 +159,3 @@ def works() -> bool:
         for d, items in aside:
             d.update(items)
     return skipped and len(calls) == 1
-
-
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-                 "_global_backward_hooks")

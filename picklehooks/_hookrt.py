@@ -279,7 +279,7 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     if flags & (_GRAD | _GUARD) and x.requires_grad:
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if keep:
-            x.register_hook(recorder)  # inside a container the module or caller may hold: x itself
+            _hook_grad(x, recorder)  # inside a container the module or caller may hold: x itself
         elif inputs is None or x.is_leaf or x._is_view() or any(x is i for i in inputs):
             # A view stays a view (Flatten, view(-1), an input handed back): autograd must know that
             # a caller's in-place change to it changes its base too, which an alias would hide.

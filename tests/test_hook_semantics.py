@@ -130,6 +130,15 @@ def _grads(model: nn.Module) -> dict:
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _step(h: Harness, m: nn.Module):
+    """One forward and backward of ``Net`` as the variant runs it: what the caller and the model got."""
+    x = _x()
+    with h.running():
+        y = m(x)
+        y.sum().backward()
+    return y.detach(), x.grad, _grads(m)
+
+
 # -- the cases -------------------------------------------------------------------------------
 
 
@@ -137,11 +146,7 @@ def case_forward_hook_changes_output(h: Harness):
     m = h.model(Net())
     m.lin.register_forward_hook(lambda mod, args, out: (h.note("fwd", args, out), out * 2)[1])
     h.ready(m)
-    x = _x()
-    with h.running():
-        y = m(x)
-        y.sum().backward()
-    return y.detach(), x.grad, _grads(m)
+    return _step(h, m)
 
 
 def case_pre_hook_changes_input(h: Harness):
@@ -149,11 +154,7 @@ def case_pre_hook_changes_input(h: Harness):
     m.lin.register_forward_pre_hook(lambda mod, args: (h.note("pre", args), (args[0] + 1,))[1])
     m.out.register_forward_pre_hook(lambda mod, args: args[0] * 3)  # a bare value is wrapped in a tuple
     h.ready(m)
-    x = _x()
-    with h.running():
-        y = m(x)
-        y.sum().backward()
-    return y.detach(), x.grad, _grads(m)
+    return _step(h, m)
 
 
 def case_prepend_orders_hooks(h: Harness):
@@ -764,22 +765,12 @@ def test_global_hooks_registered_first_see_no_probe_and_keep_idle_hooks_free():
     assert out.strip() == '[[], true]'
 
 
-class _CallsLSTM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lstm = nn.LSTM(3, 4, batch_first=True)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x, h0, c0):
-        out, _ = self.lstm(x, (h0, c0))
-        return self.head(out)
-
-
 def test_scripting_a_model_whose_overloaded_module_is_instrumented_names_the_fix():
-    model = _CallsLSTM()
-    args = (torch.randn(2, 5, 3), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
-    plain = torch.jit.script(_CallsLSTM())(*args)
+    from tests.test_faithful_instrument import RNN  # calls nn.LSTM(x, (h0, c0))
+
+    model = RNN()
+    args = (torch.randn(2, 5, 4), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))
+    plain = torch.jit.script(RNN())(*args)
     handle = picklehooks.instrument(model)
     with picklehooks.record() as log:
         model(*args)
