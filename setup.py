@@ -1,14 +1,13 @@
-"""Build of the optional C extensions ``picklehooks._fstats``, ``picklehooks._frow`` and
-``picklehooks._fkernels``; the metadata is in pyproject.toml.
+"""Build of the optional C extension ``picklehooks._speedups`` (sources in ``csrc/``); the metadata
+is in pyproject.toml.
 
-The extensions are ``optional``: where one doesn't compile (no C compiler, no
+The extension is ``optional``: where it doesn't compile (no C compiler, no
 Python headers), setuptools warns and installs the package without it, and
-:mod:`picklehooks._native` falls back: to the PyTorch statistics without
-``_fstats``, to ``Log._add_tensor``'s Python path without ``_frow``, to the
-``active`` op's Python kernel without ``_fkernels``. None needs torch's headers:
-``_fkernels``' kernel is registered at run time through libtorch's stable C functions.
+:mod:`picklehooks._native` uses its pure-Python twin instead (as it does with
+``PICKLEHOOKS_NATIVE=0``). It needs no torch headers: the ``active`` op's
+kernel is registered at run time through libtorch's stable C functions.
 ``PICKLEHOOKS_CFLAGS`` adds compiler flags, e.g. ``-DPICKLEHOOKS_NO_CLONES``
-for one portable loop instead of GCC's per-CPU clones (see _fstats.c).
+for one portable loop instead of GCC's per-CPU clones (see csrc/stats.c).
 """
 
 import os
@@ -25,21 +24,11 @@ if os.environ.get("PICKLEHOOKS_CFLAGS"):
 setup(
     ext_modules=[
         Extension(
-            "picklehooks._fstats",
-            sources=["picklehooks/_fstats.c"],
-            extra_compile_args=compile_args,
-            optional=True,
-        ),
-        Extension(
-            "picklehooks._frow",
-            sources=["picklehooks/_frow.c", "picklehooks/_fhook.c", "picklehooks/_frecords.c"],
-            depends=["picklehooks/_frow.h"],
-            extra_compile_args=compile_args,
-            optional=True,
-        ),
-        Extension(
-            "picklehooks._fkernels",
-            sources=["picklehooks/_fkernels.c"],
+            "picklehooks._speedups",
+            # In dependency order (see csrc/_speedups.h); _speedups.c holds the module's one init.
+            sources=["csrc/_speedups.c", "csrc/stats.c", "csrc/rows.c", "csrc/hooks.c", "csrc/records.c",
+                     "csrc/kernels.c"],
+            depends=["csrc/_speedups.h"],
             extra_compile_args=compile_args,
             optional=True,
         ),

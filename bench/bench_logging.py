@@ -200,7 +200,7 @@ def make_transformer() -> tuple[nn.Module, torch.Tensor]:
 
 
 def make_hf(name: str) -> tuple[nn.Module, torch.Tensor]:
-    """A tiny GPT-2 or Llama from a config (the builder of tests/hf_models.py, with the sizes of this bench)."""
+    """A tiny GPT-2 or Llama from a config (the builder of tests/models/hf.py, with the sizes of this bench)."""
     import transformers as tf
 
     tf.logging.set_verbosity_error()
@@ -682,7 +682,7 @@ def script_section(setup: Setup) -> None:
 def compile_section(setup: Setup) -> None:
     import tempfile
 
-    from picklehooks import _hookrt
+    from picklehooks import _taps
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
     model, x = make_mlp()
@@ -702,13 +702,13 @@ def compile_section(setup: Setup) -> None:
             hooked = own_class(copy.deepcopy(model), i)
             picklehooks.instrument(hooked)
             run = workload(torch.compile(hooked, fullgraph=True), task, backward)
-            saved = _hookrt._GRAPH_STATS_ON_CPU
-            _hookrt._GRAPH_STATS_ON_CPU = in_graph  # read while compiling: the first call
+            saved = _taps._GRAPH_STATS_ON_CPU
+            _taps._GRAPH_STATS_ON_CPU = in_graph  # read while compiling: the first call
             try:
                 run()
                 recording(run, read_stats=True)()  # backward graphs compile on the first backward
             finally:
-                _hookrt._GRAPH_STATS_ON_CPU = saved
+                _taps._GRAPH_STATS_ON_CPU = saved
             compiled[in_graph] = run
         variants = {
             C_BASE: workload(plain, task, backward),

@@ -26,7 +26,7 @@ thread's CPU time (``time.thread_time``), garbage collector off:
   inlined into one function (a reference, not used by picklehooks; where the
   native kernel isn't built it falls back to the runtime's call);
 * building one ``Record`` from a row when ``log.records`` is read, by
-  ``picklehooks/_frecords.c`` and by the Python loop it replaced (the same
+  ``csrc/records.c`` and by the Python loop it replaced (the same
   rows, alternating);
 * a module call without hooks, with a no-op forward hook, and instrumented
   while a log records: what ``nn.Module``'s hook dispatch adds.
@@ -34,7 +34,7 @@ thread's CPU time (``time.thread_time``), garbage collector off:
 Then, inside the bench's MLP (12 × Linear(256)+LayerNorm+GELU, batch 32,
 forward under ``no_grad`` and forward+backward, recording statistics and
 reading them, and recording with ``mode="tensor"``), the C lanes
-(``picklehooks/_frow.c``'s record lane and ``picklehooks/_fhook.c``'s hook
+(``csrc/rows.c``'s record lane and ``csrc/hooks.c``'s hook
 lane) against the Python path they replace (``_hookrt`` and
 ``Log._add_tensor`` with the lanes switched off), interleaved in one
 process: thread time above the un-instrumented model per record.
@@ -63,7 +63,8 @@ from torch import nn
 
 import picklehooks
 from picklehooks import _hookrt, _native, _ops
-from picklehooks import log as _log
+from picklehooks import _taps
+from picklehooks.capture import pairing as _pairing, rows as _rows
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -96,7 +97,7 @@ def main() -> None:
         if log is None or out.requires_grad or _hookrt._graph_task_id() != -1:
             return forward(module, out, flags, inputs)
         name = module._picklehooks_name
-        call = log._next_call(name, "output", "", 0 if torch.is_grad_enabled() else _log._MAYBE)
+        call = log._next_call(name, "output", "", 0 if torch.is_grad_enabled() else _pairing._MAYBE)
         dtype, shape = out.dtype, out.shape
         stats = _native._kernel(out.data_ptr(), _native._CODES[dtype], shape, out.stride())
         log._rows.append((name, "output", "", call, log.step, shape, dtype, stats, None, None, None))
@@ -110,9 +111,9 @@ def main() -> None:
         "GELU call, a no-op forward hook": lambda: hooked(x),
         "GELU call, instrumented, recording": lambda: instrumented(x),
     }
-    # Reading: the Records of every row so far, built by _frow.build_records and by the Python loop it
+    # Reading: the Records of every row so far, built by _speedups.build_records and by the Python loop it
     # replaces (the same rows each time, in alternating order).
-    builders = {"building one Record when read (C)": _log._build_records,
+    builders = {"building one Record when read (C)": _rows._build_records,
                 "building one Record when read (Python loop)": None}
     if builders["building one Record when read (C)"] is None:
         del builders["building one Record when read (C)"]
@@ -134,13 +135,13 @@ def main() -> None:
                 order = list(builders) if r % 2 == 0 else list(builders)[::-1]
                 for name in order:
                     log._rows[:] = rows
-                    _log._build_records = builders[name]
+                    _rows._build_records = builders[name]
                     t0 = time.thread_time()
                     log.records  # noqa: B018 -- builds a Record from every row
                     times[name].append((time.thread_time() - t0) / max(len(rows), 1) * 1e6)
                     log._records.clear()
     finally:
-        _log._build_records = builders.get("building one Record when read (C)")
+        _rows._build_records = builders.get("building one Record when read (C)")
         gc.enable()
     print(f"One recorded GELU output (32 x 256 float32, no_grad), {rounds} interleaved rounds of {calls} calls.\n")
     print("| piece | µs per call (median thread time) |")
@@ -160,10 +161,10 @@ def lane_in_a_model(rounds: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_logging import make_mlp
 
-    lanes = (_log._add_row, _hookrt._forward_lane, _hookrt._GradRecorder)
-    python = (None, None, _hookrt._PyGradRecorder)
+    lanes = (_rows._add_row, _hookrt._forward_lane, _hookrt._GradRecorder)
+    python = (None, None, _taps._PyGradRecorder)
     if lanes[0] is None or lanes[1] is None:
-        print("\n(no C lanes here: picklehooks._frow isn't built)")
+        print("\n(no C lanes here: picklehooks._speedups isn't built)")
         return
     model, x = make_mlp()
     plain = copy.deepcopy(model)
@@ -185,13 +186,15 @@ def lane_in_a_model(rounds: int) -> None:
 
     def recorded(m: nn.Module, with_lane: bool, backward: bool):
         def run() -> None:
-            _log._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes if with_lane else python
+            _rows._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes if with_lane else python
+            _taps._GradRecorder = _hookrt._GradRecorder  # the eager taps use it too
             try:
                 with picklehooks.record() as log:
                     step(m, backward)
                 log.records[-1].stats  # noqa: B018 -- reading, as bench_logging.py does
             finally:
-                _log._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes
+                _rows._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes
+                _taps._GradRecorder = lanes[2]
         return run
 
     print("\nInside the MLP: thread time above the un-instrumented model, µs per record (median of "
@@ -283,12 +286,12 @@ def ops_from_torchscript(rounds: int, calls: int) -> None:
     def script(body: str):
         return torch.jit.CompilationUnit(f"def fn(x: Tensor) -> Tensor:\n    {body}\n    return x\n").fn
 
-    # active's Python kernel, side by side with the registered one (C where _fkernels is built).
+    # active's Python kernel, side by side with the registered one (C where _speedups is built).
     bench_lib = torch.library.Library("picklehooks_bench", "FRAGMENT")
     bench_lib.define("active_py(int flags) -> bool", alias_analysis="CONSERVATIVE")
     bench_lib.impl("active_py", _ops._active_kernel, "CompositeExplicitAutograd")
     dump = torch._C._dispatch_dump("picklehooks::active")
-    active_kernel = "C" if "_fkernels.c" in dump else "Python"
+    active_kernel = "C" if "csrc/kernels.c" in dump else "Python"
 
     value = _ops.VALUE | _ops.STATS
     tap = _ops.GRAD | _ops.STATS | _ops.COUNTED  # what a scripted hook's tap passes: the gradient only
@@ -296,7 +299,7 @@ def ops_from_torchscript(rounds: int, calls: int) -> None:
         "an empty scripted function (reference)": (script("pass"), x),
         f"active (what an idle scripted hook asks; its kernel here: {active_kernel})":
             (script("torch.ops.picklehooks.active(7)"), x),
-        "active's Python kernel (what it is without picklehooks._fkernels)":
+        "active's Python kernel (what it is without picklehooks._speedups)":
             (script("torch.ops.picklehooks_bench.active_py(7)"), x),
         "record, while nothing records": (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})"), x),
         "record, recording statistics": (script(f"torch.ops.picklehooks.record(x, 'm', 'output', '', {value})"), x),

@@ -13,7 +13,7 @@ What it measures:
 
 1. **Name size.** For each hook in ``bench/representative_hooks.py``: the
    length of the module text ``portable()`` encodes
-   (``picklehooks.portable.module_text``), the length of its name in the
+   (``picklehooks.serialize.portable.module_text``), the length of its name in the
    current format (zstd with the raw-content dictionary ``_DICTIONARY_1``),
    and the length of the name the same zstd settings give *without* a
    dictionary (a temporary format letter mapped to ``None``, removed again
@@ -80,7 +80,7 @@ import zstandard
 
 import picklehooks
 from picklehooks import _shim, codec
-from picklehooks.portable import module_text
+from picklehooks.serialize.portable import module_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import representative_hooks as rh  # noqa: E402 - needs the path above

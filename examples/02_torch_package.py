@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import picklehooks
-import picklehooks.package
+import picklehooks.serialize.package
 
 
 def soft_cap(module: nn.Module, inputs: Tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def main() -> None:
     print("  eager output  :", model(torch.full((1, 4), 10.0)).tolist())
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.pt")
-        picklehooks.package.save(path, model)
+        picklehooks.serialize.package.save(path, model)
         subprocess.run([sys.executable, "-c", CHILD, path], check=True)
 
 

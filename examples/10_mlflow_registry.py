@@ -3,7 +3,7 @@
 Shows:
 
 1. ``picklehooks.instrument(model)`` and ``picklehooks.record()`` in this process.
-2. ``log.to_mlflow()`` (``picklehooks.mlflow.log_metrics(log)``): every
+2. ``log.to_mlflow()`` (``picklehooks.integrations.mlflow.log_metrics(log)``): every
    layer's statistics as metrics of the run, read back from the store.
 3. ``mlflow.pytorch.log_model(model, registered_model_name=...)`` into a local
    registry: a SQLite tracking database and a local artifact store in a
@@ -49,7 +49,7 @@ try:
     import mlflow
     import mlflow.pytorch
 
-    import picklehooks.mlflow
+    import picklehooks.integrations.mlflow
 except ImportError:
     print("this example needs MLflow: pip install mlflow (or mlflow-skinny sqlalchemy alembic)")
     sys.exit(0)
@@ -94,7 +94,7 @@ def main() -> None:
         mlflow.set_tracking_uri(tracking_uri)
         experiment = mlflow.create_experiment("picklehooks", artifact_location=(tmp / "artifacts").as_uri())
         with mlflow.start_run(experiment_id=experiment) as run:
-            written = picklehooks.mlflow.log_metrics(log)  # log.to_mlflow()
+            written = picklehooks.integrations.mlflow.log_metrics(log)  # log.to_mlflow()
             info = mlflow.pytorch.log_model(model, name="model", registered_model_name=NAME, **pickle_format())
         metrics = mlflow.MlflowClient().get_run(run.info.run_id).data.metrics
         print(f"logged {written} metrics, such as picklehooks/2/grad_output/norm = "

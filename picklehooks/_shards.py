@@ -1,8 +1,8 @@
 """Sharded values (FSDP2, DTensor) where the hooks record them: shards and their layouts.
 
 Beneath the log (this module imports nothing of picklehooks), so that the
-recording ops can call it; :mod:`picklehooks.distributed` merges what it
-notes, in :func:`~picklehooks.distributed.gather`.
+recording ops can call it; :mod:`picklehooks.integrations.distributed` merges what it
+notes, in :func:`~picklehooks.integrations.distributed.gather`.
 
 * :func:`add_shard`: record a ``DTensor`` as this rank's shard and note where
   the shard lies in the whole, beside the live log.
@@ -74,7 +74,7 @@ def add_shard(log, module: str, kind: str, path: str, x, flags: int) -> None:
     """Record the DTensor ``x`` as this rank's shard (its statistics, or tensor) and note where it lies.
 
     Called by the hooks for every DTensor they record (see
-    :func:`picklehooks._ops.record_tensor`); :func:`picklehooks.distributed.gather` merges the shards.
+    :func:`picklehooks._ops.record_tensor`); :func:`picklehooks.integrations.distributed.gather` merges the shards.
     """
     local = x.to_local()
     layout = _layout(x)

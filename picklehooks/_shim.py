@@ -2,7 +2,7 @@
 
 Pickle stores a function as ``module`` + ``name``. picklehooks stores each hook
 as ``picklehooks._hub.<name>``, where ``<name>`` is the hook's zstd-compressed,
-base32-encoded source (see :mod:`picklehooks.codec`). ``picklehooks._hub`` is
+base32-encoded source (see :mod:`picklehooks.serialize.codec`). ``picklehooks._hub`` is
 a virtual module: a :data:`sys.meta_path` finder in this file creates it, and
 its PEP 562 ``__getattr__`` decodes a name, checks the decoded text, compiles
 it, executes it and caches the resulting function on the module, so that the
@@ -246,7 +246,7 @@ def decode(name: str, *, max_source_bytes: int | None = None) -> str:
     if size > limit:
         raise DecodeError(
             f"hook name {_short(name)!r} declares {size} bytes of source, over the limit of {limit}; "
-            "raise it with picklehooks.codec.set_max_source_bytes() if you trust this file"
+            "raise it with picklehooks.serialize.codec.set_max_source_bytes() if you trust this file"
         )
     try:
         raw, trailing = _decompress(frame, letter, size)
@@ -280,7 +280,7 @@ def decode(name: str, *, max_source_bytes: int | None = None) -> str:
 BASE_TRUSTED = ("torch", "typing", "math", "collections", "operator", "picklehooks", "__future__")
 
 # The calls old generated text holds for non-finite floats and devices (see
-# picklehooks.portable), allowed only when the callee provably is the real
+# picklehooks.serialize.portable), allowed only when the callee provably is the real
 # one: ``float`` can't be rebound (nothing may shadow a builtin) and ``torch``
 # must be bound by a plain ``import torch``.
 _SAFE_CALLS = {("float",): ((str,), 1), ("torch", "device"): ((str, int), 2)}

@@ -2,7 +2,7 @@
 
 A forward pass records dozens of tensors, and each statistic is a kernel
 launch; so a log stacks recorded tensors of equal shape and dtype into the
-rows of one matrix (see :mod:`picklehooks.log`) and every statistic is one
+rows of one matrix (see :mod:`picklehooks.capture.log`) and every statistic is one
 row-wise reduction over it (:func:`matrix_stats`). The fast path makes a
 few passes: min, max and a count of non-zero bit patterns in the recorded
 dtype (counting with boolean masks is several times slower on CPU), then a

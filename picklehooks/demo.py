@@ -15,7 +15,7 @@ import textwrap
 
 import torch
 
-from .portable import portable
+from .serialize.portable import portable
 
 
 def _make_hook(label: str, threshold: float):

@@ -44,7 +44,7 @@ def test_record_path_microbench_prints_every_piece():
     assert [name for name, _ in rows[6:8]] == ["building one Record when read (C)",
                                                "building one Record when read (Python loop)"], out
     assert "One op call from TorchScript" in out and "torch.library.custom_op" in rows[15][0], out
-    kernel = "C" if _native._fkernels is not None else "Python"
+    kernel = "C" if _native.AVAILABLE else "Python"
     assert f"its kernel here: {kernel})" in rows[9][0] and "Python kernel" in rows[10][0], out
     assert not cpp or "C++ kernel does nothing" in rows[-1][0], out
     lane_rows = re.findall(r"^\| (forward[^|]*)(?: \| -?\d+\.\d\d){4} \|$", out, flags=re.M)

@@ -28,8 +28,9 @@ def test_all_extra_holds_every_integration():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     everything = _names(extras["all"])
     for name, requirements in extras.items():
-        if name not in ("all", "dev"):
+        if name not in ("all", "dev", "docs"):
             assert _names(requirements) <= everything, (name, _names(requirements) - everything)
+    assert _names(extras["docs"]) <= _names(extras["dev"]), "the test suite builds the docs: dev needs them"
 
 
 def test_demo_prints_no_warning():

@@ -93,28 +93,29 @@ def recording_in_another_thread():
 
 
 def use_python_lanes(monkeypatch) -> None:
-    """Switch off the C lanes (picklehooks/_frow.c's row lane, picklehooks/_fhook.c's hook lane):
+    """Switch off the C lanes (csrc/rows.c's row lane, csrc/hooks.c's hook lane):
     records go through ``_hookrt`` and ``Log._add_tensor`` in Python, still with the native statistics."""
-    import picklehooks.log
-    from picklehooks import _hookrt
+    import picklehooks.capture.rows
+    from picklehooks import _hookrt, _taps
 
-    monkeypatch.setattr(picklehooks.log, "_add_row", None)
+    monkeypatch.setattr(picklehooks.capture.rows, "_add_row", None)
     monkeypatch.setattr(_hookrt, "_forward_lane", None)
-    monkeypatch.setattr(_hookrt, "_GradRecorder", _hookrt._PyGradRecorder)
+    for module in (_hookrt, _taps):  # the eager taps (_taps) and the hooks' own uses (_hookrt)
+        monkeypatch.setattr(module, "_GradRecorder", _taps._PyGradRecorder)
 
 
 def use_pytorch_stats(monkeypatch) -> None:
     """Make logs take the PyTorch fallback (copies reduced in batches), as on a machine without
     the native extensions or with ``PICKLEHOOKS_NATIVE=0``: no native pass, no C lanes."""
-    import picklehooks.log
+    import picklehooks.capture.rows
 
-    monkeypatch.setattr(picklehooks.log, "native_stats", lambda x: None)
+    monkeypatch.setattr(picklehooks.capture.rows, "native_stats", lambda x: None)
     use_python_lanes(monkeypatch)
 
 
 def plain_stats(t: torch.Tensor) -> dict:
     """Every documented statistic of ``t`` by its definition: plain PyTorch in float64, population std
-    (for values whose float64 sums can't overflow; tests/test_faithful_stats.py scales the others)."""
+    (for values whose float64 sums can't overflow; tests/capture/test_stats_faithful.py scales the others)."""
     v = t.detach().to(torch.float64)
     return {
         "mean": v.mean().item(),

@@ -16,30 +16,22 @@ to list its imports; nothing is imported, compiled or run.
 from __future__ import annotations
 
 import ast
-import functools
 import os
 from dataclasses import dataclass, field
 
 from .._shim import DecodeError, MAX_SOURCE_BYTES
-from ..codec import decode
+from ..serialize.codec import decode
 from ._containers import Bundled, Contents, Unreadable, read
 from ._hooks import HookEntry, collect
 from ._limits import AuditError, Limits, show
-from ._machine import PACKAGED_HOOK_LOADER, Parsed
+from ._machine import Parsed
+from .policy import verdict
 
 # Exit status bits of ``python -m picklehooks inspect`` (see the package docstring).
 EXIT_UNREADABLE = 1
 EXIT_UNDECODABLE = 2
 EXIT_UNSAFE = 4
 EXIT_INCOMPLETE = 8
-
-
-@functools.lru_cache(maxsize=1)
-def allowed_globals() -> frozenset[str]:
-    """``torch.load(weights_only=True)``'s default allowlist, as ``module.name`` strings."""
-    from torch._weights_only_unpickler import _get_allowed_globals
-
-    return frozenset(_get_allowed_globals())
 
 
 @dataclass
@@ -88,15 +80,6 @@ class AuditReport:
         return code
 
 
-def _status(path: str, called: bool) -> str:
-    head, _, rest = path.rpartition(".")
-    if head == "picklehooks._hub" and rest:
-        return "hook"
-    if path == PACKAGED_HOOK_LOADER and not called:  # only inside a packaged hook's persistent id
-        return "hook"
-    return "ok" if path in allowed_globals() else "UNSAFE"
-
-
 def _globals(resources: list[tuple[str, list[Parsed]]]) -> list[GlobalUse]:
     found: dict[str, GlobalUse] = {}
     for resource, parsed in resources:
@@ -112,7 +95,7 @@ def _globals(resources: list[tuple[str, list[Parsed]]]) -> list[GlobalUse]:
                     if resource not in use.resources:
                         use.resources.append(resource)
     for use in found.values():
-        use.status = _status(use.path, use.called)
+        use.status = verdict(use.path, use.called)
     return list(found.values())
 
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from .._shim import PicklehooksError
 from .._stats import STAT_NAMES, tensor_stats
-from ..instrument import _NAME_ATTR, instrument
-from ..log import Log, Record
+from ..capture.instrument import _NAME_ATTR, instrument
+from ..capture.log import Log, Record
 
 
 

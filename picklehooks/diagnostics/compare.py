@@ -32,8 +32,8 @@ from typing import Iterable
 import torch
 
 from .._shim import PicklehooksError
-from ..instrument import CAPTURE_KINDS
-from ..log import Log, Record, record
+from ..capture.instrument import CAPTURE_KINDS
+from ..capture.log import Log, Record, record
 from ._common import hooked, need, stats_of
 
 __all__ = ["Comparison", "compare", "record_forward"]

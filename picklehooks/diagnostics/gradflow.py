@@ -31,7 +31,7 @@ import statistics
 from typing import Callable, Iterable
 
 from .._shim import PicklehooksError
-from ..log import Log, record
+from ..capture.log import Log, record
 from ._common import backward, call, hooked, need, progress, stats_of
 
 __all__ = ["GradientFlow", "gradient_flow", "flow_from_log"]

@@ -42,15 +42,15 @@ does the same between recorded values.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .._jacobian import hutchinson
 from .._shim import PicklehooksError
 
-__all__ = ["vjp", "hutchinson_jacobian_norm"]
+__all__ = ["vjp", "hutchinson_jacobian_norm", "recorded_vjp", "recorded_jacobian_norm"]
 
 
 def _module(model: nn.Module, which, role: str) -> tuple[str, nn.Module]:
@@ -187,3 +187,70 @@ def hutchinson_jacobian_norm(model: nn.Module, inputs, output_module, input_modu
     y, h = _forward(model, inputs, output_module, input_module, call)
     names = _names(output_module, input_module)
     return hutchinson(y, lambda v, retain: _grad(y, h, v, retain=retain, names=names), samples=samples, seed=seed)
+
+
+# -- between values a log recorded with record(keep_graph=True) ----------------------------
+
+def _recorded(log, name):
+    """The one record ``name`` names in ``log`` (a module's first output, or a full key), with its graph."""
+    key = (name, "output", "", 0) if isinstance(name, str) else tuple(name)
+    found = log.find(*key)
+    if len(found) != 1:
+        example = log.records[0].key if log.records else ("fc", "output", "", 0)
+        raise PicklehooksError(
+            f"{name!r} names {len(found)} records; give a module name (its first output) or a "
+            f"(module, kind, path, call) key such as {example}"
+        )
+    if found[0].live is None:
+        raise PicklehooksError(
+            f"record {key} kept no autograd graph; record with picklehooks.record(keep_graph=True) "
+            "(eager, FX or TorchScript models; compiled and exported graphs don't expose intermediates)"
+        )
+    return found[0].live
+
+
+def _recorded_grad(out: torch.Tensor, inp: torch.Tensor, v: torch.Tensor, names: tuple) -> torch.Tensor:
+    (grad,) = torch.autograd.grad(out, inp, grad_outputs=v, retain_graph=True, allow_unused=True)
+    if grad is None:
+        raise PicklehooksError(f"{names[0]!r} does not depend on {names[1]!r}: no path between them in the graph")
+    return grad
+
+
+def recorded_vjp(log, output_name, input_name, v: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`picklehooks.Log.vjp`: ``v^T d(output)/d(input)`` between two values ``log`` recorded."""
+    out, inp = _recorded(log, output_name), _recorded(log, input_name)
+    return _recorded_grad(out, inp, torch.ones_like(out) if v is None else v, (output_name, input_name))
+
+
+def recorded_jacobian_norm(log, output_name, input_name, *, samples: int = 64, seed: int = 0) -> tuple[float, float]:
+    """:meth:`picklehooks.Log.jacobian_norm`: Hutchinson's estimate between two values ``log`` recorded."""
+    out, inp = _recorded(log, output_name), _recorded(log, input_name)
+    # retain_graph always: the log's graph stays usable for further vjp() calls.
+    return hutchinson(out, lambda v, _: _recorded_grad(out, inp, v, (output_name, input_name)),
+                      samples=samples, seed=seed)
+
+
+# Hutchinson's estimate: for Rademacher probes v (entries +-1, shaped like the output),
+# E[||J^T v||^2] = trace(J J^T) = ||J||_F^2; one backward pass gives one probe, never the norm itself.
+def hutchinson(y: torch.Tensor, vjp: Callable[[torch.Tensor, bool], torch.Tensor], *, samples: int,
+               seed: int) -> tuple[float, float]:
+    """``(estimate, standard error)`` of ``||J||_F``; ``vjp(v, retain_graph)`` returns ``J^T v``.
+
+    The estimate is the square root of the mean of ``||J^T v||^2`` over
+    ``samples`` probes; its standard error comes from their sample variance
+    by the delta method (``se(sqrt(m)) = se(m) / (2 sqrt(m))``). Probes come
+    from a CPU generator seeded with ``seed``: the same on every device, and
+    the global RNG is left alone.
+    """
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 2:
+        raise PicklehooksError(f"samples={samples!r}: use at least 2 probes (the standard error needs two)")
+    generator = torch.Generator().manual_seed(seed)
+    squares = []
+    for i in range(samples):
+        v = torch.randint(0, 2, y.shape, generator=generator).to(device=y.device, dtype=y.dtype) * 2 - 1
+        squares.append(vjp(v, i < samples - 1).detach().double().pow(2).sum())
+    s = torch.stack(squares).cpu()
+    mean = float(s.mean())
+    se_mean = float(s.std(unbiased=True)) / math.sqrt(samples)
+    estimate = math.sqrt(max(mean, 0.0))
+    return estimate, (se_mean / (2 * estimate) if estimate > 0 else 0.0)

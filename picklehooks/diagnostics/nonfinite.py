@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from .._ops import NonfiniteError
-from ..log import Log, Record, record
+from ..capture.log import Log, Record, record
 from ._common import backward, hooked, need, nonfinite_count, stats_of
 
 __all__ = ["NonfiniteReport", "find_nonfinite", "first_nonfinite"]

@@ -31,7 +31,7 @@ from typing import Iterable, Mapping
 
 from .._shim import PicklehooksError
 from .._stats import STAT_NAMES
-from ..log import Log, Record
+from ..capture.log import Log, Record
 from ._common import stats_of
 
 __all__ = ["activation_histograms", "activation_heatmap", "gradient_flow_bars", "comparison_errors"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from .._ops import RANGE_PREFIX
-from ..instrument import _NAME_ATTR
+from ..capture.instrument import _NAME_ATTR
 
 __all__ = ["module_times", "RANGE_PREFIX"]
 

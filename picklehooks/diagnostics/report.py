@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from .._shim import PicklehooksError
-from ..log import Log, Record
+from ..capture.log import Log, Record
 from ._common import stats_of
 from .nonfinite import first_nonfinite
 from .plots import label, layers, pooled, steps_of

@@ -51,7 +51,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _ops
 from .._shim import PicklehooksError
-from ..instrument import _hook
+from ..capture.instrument import _hook
 
 __all__ = ["clamp_grad", "zero_param_grad"]
 

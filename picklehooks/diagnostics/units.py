@@ -32,7 +32,7 @@ from typing import Iterable
 import torch
 
 from .._shim import PicklehooksError
-from ..log import record
+from ..capture.log import record
 from ._common import call, hooked, module_types, need, progress
 
 __all__ = ["dead_units", "NEVER_ACTIVE", "SATURATING"]

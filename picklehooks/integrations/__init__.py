@@ -1,0 +1,9 @@
+"""Where logs go: TensorBoard, MLflow, and torch.distributed ranks.
+
+Each module takes a :class:`~picklehooks.Log` and imports its framework only
+when called, so ``import picklehooks`` never needs one:
+
+* :mod:`~picklehooks.integrations.tensorboard`: scalars and histograms per layer;
+* :mod:`~picklehooks.integrations.mlflow`: metrics, and instrumented models as MLflow models;
+* :mod:`~picklehooks.integrations.distributed`: gathering logs across ranks, FSDP2 shards.
+"""
