@@ -10,7 +10,7 @@ Shows:
    temporary directory, no server. The hooks are portable, so the model
    pickles as it is; ``serialization_format="pickle"`` is passed because
    recent MLflow versions default to ``"pt2"`` (``torch.export``), which
-   works too but needs more arguments (see ``picklehooks.mlflow``).
+   works too but needs more arguments (see ``picklehooks.integrations.mlflow``).
 4. The ``requirements.txt`` MLflow infers for the model: it lists
    ``picklehooks`` (the version installed here), because loading the model
    imports it.

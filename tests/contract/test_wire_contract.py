@@ -16,37 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.contract.frozen_step import LOADERS, STEP
 from tests.testutils import REPO, plain_stats, run_fresh
 
 FROZEN = REPO / "tests" / "data" / "frozen_v2"  # wherever this file moves
 CONTRACT = json.loads((FROZEN / "wire_contract.json").read_text())
 
-#: How a process loads each artifact: torch's own loaders.
-LOADERS = {
-    "save": "torch.load(path, weights_only=False)",
-    "package": "PackageImporter(path).load_pickle('model', 'model.pkl')",
-    "script": "torch.jit.load(path)",
-    "export": "torch.export.load(path).module()",
-}
-
-# The step make_frozen_v2.py recorded (its CHILD), and what comes back of it.
-STEP = """
-import sys, torch
-import picklehooks
-from torch.package import PackageImporter
-path, x_path, out_path = sys.argv[1:4]
-model = {load}
-x = torch.load(x_path, weights_only=True).clone().requires_grad_()
-model.zero_grad(set_to_none=True)
-with picklehooks.record() as log:
-    output = model(x)
-    output.square().sum().backward()
-records = [{{"key": r.key, "step": r.step, "shape": tuple(r.shape), "dtype": r.dtype, "value": r.value,
-            "stats": {{k: v for k, v in r.stats.items() if k not in ("shape", "dtype")}}}} for r in log.records]
-torch.save({{"records": records, "output": output.detach(), "input_grad": x.grad,
-            "param_grads": {{n: p.grad for n, p in model.named_parameters()}},
-            "picklehooks": picklehooks.__file__}}, out_path)
-"""
 
 #: Recorded in program order (the hooks run in it; graphs keep the ops in it as ordered effects).
 FORWARD_KINDS = ("input", "output", "param", "buffer")

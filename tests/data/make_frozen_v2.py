@@ -57,42 +57,21 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import picklehooks  # noqa: E402
-import picklehooks.package  # noqa: E402
+import picklehooks.serialize.package  # noqa: E402 - picklehooks.package when frozen
 
 ROOT = Path(picklehooks.__file__).resolve().parent  # the package being frozen
 SEED = 2027
 #: Everything but buffers (the model has none).
 CAPTURE = ("input", "output", "grad_input", "grad_output", "param", "param_grad")
 ARTIFACTS = {"save": "save.pt", "package": "package.pt", "script": "script.pt", "export": "export.pt2"}
-#: How a process loads each artifact (only public API: torch's loaders).
-LOADERS = {
-    "save": "torch.load(path, weights_only=False)",
-    "package": "PackageImporter(path).load_pickle('model', 'model.pkl')",
-    "script": "torch.jit.load(path)",
-    "export": "torch.export.load(path).module()",
-}
+# The step the expected records come from, shared with the test that runs it again.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.contract.frozen_step import LOADERS, STEP  # noqa: E402
 
-#: A fresh process that loads one artifact and records one step: what tests/contract/test_wire_contract.py
-#: runs too (its STEP), with the code of the day.
-CHILD = """
-import sys
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-import torch
-import picklehooks
-from torch.package import PackageImporter
-path, x_path, out_path = sys.argv[1:4]
-model = {load}
-x = torch.load(x_path, weights_only=True).clone().requires_grad_()
-model.zero_grad(set_to_none=True)
-with picklehooks.record() as log:
-    output = model(x)
-    output.square().sum().backward()
-records = [{{"key": r.key, "step": r.step, "shape": tuple(r.shape), "dtype": r.dtype, "value": r.value,
-            "stats": {{k: v for k, v in r.stats.items() if k not in ("shape", "dtype")}}}} for r in log.records]
-torch.save({{"records": records, "output": output.detach(), "input_grad": x.grad,
-            "param_grads": {{n: p.grad for n, p in model.named_parameters()}},
-            "picklehooks": picklehooks.__file__}}, out_path)
-"""
+#: A fresh process that loads one artifact and records one step, with the code being frozen
+#: (the editable install's finder dropped, as above).
+CHILD = ("import sys\nsys.meta_path[:] = [f for f in sys.meta_path "
+         "if not getattr(f, '__module__', '').startswith('__editable__')]\n" + STEP)
 
 
 def make_model() -> nn.Sequential:
@@ -169,7 +148,7 @@ def build(which: str, path: Path, x: torch.Tensor) -> dict:
     elif which == "package":
         model[5].register_forward_hook(picklehooks.portable(make_scale(-0.5)))
         plain[5].register_forward_hook(make_scale(-0.5))
-        picklehooks.package.save(path, model)
+        picklehooks.serialize.package.save(path, model)
     elif which == "script":
         torch.jit.save(torch.jit.script(model), path)
     else:
