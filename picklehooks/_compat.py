@@ -41,13 +41,30 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:  # noqa: D102
         # The import system returns what sys.modules holds under the name once this returns.
-        _alias(module.__spec__.name, stacklevel=2)
+        _alias(module.__spec__.name)
 
 
-def _alias(old: str, stacklevel: int):
+def _caller_level() -> int:
+    """The ``stacklevel`` of the line that used the old path: the first frame outside the import
+    system (``importlib.import_module`` included), this module and ``picklehooks.__getattr__``.
+    The warning then names the user's file, and shows where Python's default filters show a
+    ``DeprecationWarning`` (code in ``__main__``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        internal = "importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename
+        if not internal:  # warnings.warn skips these frames itself when it counts stacklevel
+            name = frame.f_globals.get("__name__") or ""
+            if name not in (__name__, "picklehooks") and name.partition(".")[0] != "importlib":
+                return level
+            level += 1
+        frame = frame.f_back
+    return level
+
+
+def _alias(old: str):
     new = MOVED[old]
     warnings.warn(f"{old} moved to {new}; import it from there ({old} goes away in the next release)",
-                  DeprecationWarning, stacklevel=stacklevel + 1)
+                  DeprecationWarning, stacklevel=_caller_level())
     moved = sys.modules[old] = importlib.import_module(new)
     return moved
 
@@ -63,6 +80,6 @@ def moved_attribute(name: str):
     old = f"picklehooks.{name}"
     if old not in MOVED:
         raise AttributeError(f"module 'picklehooks' has no attribute {name!r}")
-    moved = sys.modules.get(old) or _alias(old, stacklevel=3)  # the caller of picklehooks.__getattr__
+    moved = sys.modules.get(old) or _alias(old)
     setattr(sys.modules["picklehooks"], name, moved)
     return moved
