@@ -39,6 +39,7 @@ from torch import nn
 
 from .._shim import HUB_NAME, DecodeError, PicklehooksError, hub
 from .policy import BASE_TRUSTED, dangerous, dangerous_object, import_trusted, untrusted
+from .policy import DANGEROUS_BUILTINS, DANGEROUS_MODULES, SAFE_BUILTINS  # noqa: F401 - where the docstring named them
 from ..serialize.portable import is_portable
 
 __all__ = ["safe_globals"]
