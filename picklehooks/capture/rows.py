@@ -11,7 +11,11 @@ The method names here (``_add_tensor``, ``_add_stats``, ``_add_value``,
 ``_note_call``) are part of the wire contract: the runtime that torch.package
 archives carry calls them on the host's log (see the docs' wire-contract page).
 The attribute names are read by the native row lane and record builder
-(:mod:`picklehooks._native`).
+(:mod:`picklehooks._native`): ``_rows``, ``_tensor_bytes``, ``keep_graph``, ``step``
+here, and :class:`~picklehooks.capture.pairing.CallPairing`'s ``_calls``, ``_open``,
+``_awaiting_grad`` and ``_maybe_grad``. They are the internal interface the lanes'
+tests (``tests/runtime/``) hold the C and the Python paths to; anything else reads a log
+through its public side or :func:`picklehooks.capture.log.held`.
 """
 
 from __future__ import annotations
