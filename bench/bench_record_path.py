@@ -161,7 +161,7 @@ def lane_in_a_model(rounds: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_logging import make_mlp
 
-    lanes = (_rows._add_row, _hookrt._forward_lane, _hookrt._GradRecorder)
+    lanes = (_rows._add_row, _hookrt._forward_lane, _taps._GradRecorder)
     python = (None, None, _taps._PyGradRecorder)
     if lanes[0] is None or lanes[1] is None:
         print("\n(no C lanes here: picklehooks._speedups isn't built)")
@@ -186,15 +186,13 @@ def lane_in_a_model(rounds: int) -> None:
 
     def recorded(m: nn.Module, with_lane: bool, backward: bool):
         def run() -> None:
-            _rows._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes if with_lane else python
-            _taps._GradRecorder = _hookrt._GradRecorder  # the eager taps use it too
+            _rows._add_row, _hookrt._forward_lane, _taps._GradRecorder = lanes if with_lane else python
             try:
                 with picklehooks.record() as log:
                     step(m, backward)
                 log.records[-1].stats  # noqa: B018 -- reading, as bench_logging.py does
             finally:
-                _rows._add_row, _hookrt._forward_lane, _hookrt._GradRecorder = lanes
-                _taps._GradRecorder = lanes[2]
+                _rows._add_row, _hookrt._forward_lane, _taps._GradRecorder = lanes
         return run
 
     print("\nInside the MLP: thread time above the un-instrumented model, µs per record (median of "

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, _state
+from . import _ops, _state, _taps
 from ._shim import PicklehooksError
 from ._taps import (  # noqa: F401 - re-exported: tests, bench and earlier versions' archives read them here
     _FX_SYMBOLIC, _GRAD, _GRAD_NONE, _GRAD_SURE, _GRAPH_STATS_ON_CPU, _GUARD, _INPUT_GRAD, _PLAIN, _RECORDING,
     _TENSORLIKE, _VALUE, _Alias, _active_log, _alias, _clamp_grad, _compiler, _dynamo_compiling, _eager_tap,
-    _eager_tree, _first_tensor, _forward_lane, _functorch_active, _fx, _GradRecorder, _graph_task_id, _hook_grad,
+    _eager_tree, _first_tensor, _forward_lane, _functorch_active, _fx, _graph_task_id, _hook_grad,
     _inline_checks, _is_compiling, _is_jit_tracing, _join, _PyGradRecorder, _range_enter, _range_exit,
     _recomputing, _record, _record_grad, _record_state, _record_stats, _tap, _traced_tap, _tracing, _watch,
     _watch_one, _zero_grads, tap_tree)
@@ -199,7 +199,7 @@ def _rescue_inplace(inputs: tuple) -> None:
             continue  # not the in-place pattern (the base was changed some other way): leave the view's hook
         # The view's node is bypassed, unless the module read the view before changing it: then
         # it would record this call a second time. (Autograd has detached the dict from the view.)
-        mine = [k for k, h in hooks.items() if isinstance(h, _GradRecorder)]
+        mine = [k for k, h in hooks.items() if isinstance(h, _taps._GradRecorder)]  # the one the taps use
         if not mine:
             continue
         recorder = hooks.pop(mine[0])  # only ours: a hook the forward put on its input stays

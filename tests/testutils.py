@@ -92,16 +92,23 @@ def recording_in_another_thread():
         thread.join(30)
 
 
-def use_python_lanes(monkeypatch) -> None:
-    """Switch off the C lanes (csrc/rows.c's row lane, csrc/hooks.c's hook lane):
-    records go through ``_hookrt`` and ``Log._add_tensor`` in Python, still with the native statistics."""
+def use_lanes(monkeypatch, add_row, forward_lane, grad_recorder) -> None:
+    """Put these lanes where their callers read them: the row lane in the row-writing path, the
+    forward lane in ``_hookrt.forward``, the gradient recorder in the eager taps."""
     import picklehooks.capture.rows
     from picklehooks import _hookrt, _taps
 
-    monkeypatch.setattr(picklehooks.capture.rows, "_add_row", None)
-    monkeypatch.setattr(_hookrt, "_forward_lane", None)
-    for module in (_hookrt, _taps):  # the eager taps (_taps) and the hooks' own uses (_hookrt)
-        monkeypatch.setattr(module, "_GradRecorder", _taps._PyGradRecorder)
+    monkeypatch.setattr(picklehooks.capture.rows, "_add_row", add_row)
+    monkeypatch.setattr(_hookrt, "_forward_lane", forward_lane)
+    monkeypatch.setattr(_taps, "_GradRecorder", grad_recorder)
+
+
+def use_python_lanes(monkeypatch) -> None:
+    """Switch off the C lanes (csrc/rows.c's row lane, csrc/hooks.c's hook lane):
+    records go through ``_hookrt`` and ``Log._add_tensor`` in Python, still with the native statistics."""
+    from picklehooks import _taps
+
+    use_lanes(monkeypatch, None, None, _taps._PyGradRecorder)
 
 
 def use_pytorch_stats(monkeypatch) -> None:

@@ -132,12 +132,17 @@ def _forward(model: nn.Module, inputs, output_module, input_module, call) -> tup
     return y, h
 
 
-def _grad(y: torch.Tensor, h: torch.Tensor, v: torch.Tensor, *, retain: bool, names: tuple) -> torch.Tensor:
+def _grad(y: torch.Tensor, h: torch.Tensor, v: torch.Tensor, *, retain: bool, unrelated: str) -> torch.Tensor:
+    """``v^T dy/dh``; ``unrelated`` is the error when ``y`` doesn't depend on ``h``."""
     (g,) = torch.autograd.grad(y, h, grad_outputs=v, retain_graph=retain, allow_unused=True)
     if g is None:
-        raise PicklehooksError(f"the output of {names[0]!r} does not depend on the output of {names[1]!r}; "
-                               "is input_module earlier in the forward?")
+        raise PicklehooksError(unrelated)
     return g
+
+
+def _unrelated_outputs(names: tuple) -> str:
+    return (f"the output of {names[0]!r} does not depend on the output of {names[1]!r}; "
+            "is input_module earlier in the forward?")
 
 
 def _names(output_module, input_module) -> tuple:
@@ -159,7 +164,8 @@ def vjp(model: nn.Module, inputs, output_module, input_module, v: torch.Tensor |
     elif not isinstance(v, torch.Tensor) or v.shape != y.shape:
         raise PicklehooksError(f"v must be a tensor shaped like the output of output_module {tuple(y.shape)}, "
                                f"got {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-    return _grad(y, h, v.to(device=y.device, dtype=y.dtype), retain=False, names=_names(output_module, input_module))
+    return _grad(y, h, v.to(device=y.device, dtype=y.dtype), retain=False,
+                 unrelated=_unrelated_outputs(_names(output_module, input_module)))
 
 
 def hutchinson_jacobian_norm(model: nn.Module, inputs, output_module, input_module, *, samples: int = 64,
@@ -186,7 +192,9 @@ def hutchinson_jacobian_norm(model: nn.Module, inputs, output_module, input_modu
     """
     y, h = _forward(model, inputs, output_module, input_module, call)
     names = _names(output_module, input_module)
-    return hutchinson(y, lambda v, retain: _grad(y, h, v, retain=retain, names=names), samples=samples, seed=seed)
+    unrelated = _unrelated_outputs(names)
+    return hutchinson(y, lambda v, retain: _grad(y, h, v, retain=retain, unrelated=unrelated), samples=samples,
+                      seed=seed)
 
 
 # -- between values a log recorded with record(keep_graph=True) ----------------------------
@@ -209,24 +217,23 @@ def _recorded(log, name):
     return found[0].live
 
 
-def _recorded_grad(out: torch.Tensor, inp: torch.Tensor, v: torch.Tensor, names: tuple) -> torch.Tensor:
-    (grad,) = torch.autograd.grad(out, inp, grad_outputs=v, retain_graph=True, allow_unused=True)
-    if grad is None:
-        raise PicklehooksError(f"{names[0]!r} does not depend on {names[1]!r}: no path between them in the graph")
-    return grad
+def _unrelated_records(names: tuple) -> str:
+    return f"{names[0]!r} does not depend on {names[1]!r}: no path between them in the graph"
 
 
 def recorded_vjp(log, output_name, input_name, v: torch.Tensor | None = None) -> torch.Tensor:
     """:meth:`picklehooks.Log.vjp`: ``v^T d(output)/d(input)`` between two values ``log`` recorded."""
     out, inp = _recorded(log, output_name), _recorded(log, input_name)
-    return _recorded_grad(out, inp, torch.ones_like(out) if v is None else v, (output_name, input_name))
+    return _grad(out, inp, torch.ones_like(out) if v is None else v, retain=True,
+                 unrelated=_unrelated_records((output_name, input_name)))
 
 
 def recorded_jacobian_norm(log, output_name, input_name, *, samples: int = 64, seed: int = 0) -> tuple[float, float]:
     """:meth:`picklehooks.Log.jacobian_norm`: Hutchinson's estimate between two values ``log`` recorded."""
     out, inp = _recorded(log, output_name), _recorded(log, input_name)
     # retain_graph always: the log's graph stays usable for further vjp() calls.
-    return hutchinson(out, lambda v, _: _recorded_grad(out, inp, v, (output_name, input_name)),
+    unrelated = _unrelated_records((output_name, input_name))
+    return hutchinson(out, lambda v, _: _grad(out, inp, v, retain=True, unrelated=unrelated),
                       samples=samples, seed=seed)
 
 

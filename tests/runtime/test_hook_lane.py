@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import picklehooks
 from picklehooks import Log, _hookrt, _native, _ops, _taps
-from picklehooks.capture import rows as rows_module
+from tests import testutils
 from tests.runtime.test_record_lane import assert_same_logs
 from tests.testutils import plain_stats, recording_in_another_thread, use_python_lanes
 
@@ -33,10 +33,7 @@ C = _native.AVAILABLE
 
 def use_lanes(monkeypatch) -> None:
     """The implementation's row and hook lanes where the callers look for them (the C's are there already)."""
-    monkeypatch.setattr(rows_module, "_add_row", _native._impl.add_row)
-    monkeypatch.setattr(_hookrt, "_forward_lane", forward_lane)
-    for module in (_hookrt, _taps):  # as tests.testutils.use_python_lanes
-        monkeypatch.setattr(module, "_GradRecorder", GradRecorder)
+    testutils.use_lanes(monkeypatch, _native._impl.add_row, forward_lane, GradRecorder)
 
 
 class Block(torch.nn.Module):
