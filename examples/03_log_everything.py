@@ -66,7 +66,7 @@ def main() -> None:
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
     print(f"one forward + backward under record(): {len(log.records)} records; the first 15:")
-    print_table(log.table()[:15], ["module", "kind", "path", "mean", "std", "absmax", "nan"])
+    print_table(log.table()[:15], ["module", "kind", "path", "mean", "std", "absmax", "n_nan"])
 
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = os.path.join(tmp, "log")

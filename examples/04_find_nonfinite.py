@@ -42,10 +42,10 @@ def show(title: str, report) -> None:
         return
     s = report.stats
     print(f"  module {report.module!r} ({report.phase}, {report.kind}, call {report.call}, step {report.step}): "
-          f"{s['nan']} NaN, {s['inf']} Inf of shape {s['shape']}")
+          f"{s['n_nan']} NaN, {s['n_inf']} Inf of shape {s['shape']}")
     for row in report.inputs:
         print(f"  its input {row['path']}: shape {row['shape']}, absmax {row['absmax']:.3g}, "
-              f"zero_frac {row['zero_frac']:.2f}, NaN {row['nan']}, Inf {row['inf']}")
+              f"zero_frac {row['zero_frac']:.2f}, NaN {row['n_nan']}, Inf {row['n_inf']}")
     print(f"  -> {report.note}")
 
 

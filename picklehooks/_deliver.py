@@ -47,26 +47,43 @@ INPUT_GRAD = 512
 class NonfiniteError(PicklehooksError, FloatingPointError):
     """``instrument(..., on_nonfinite="raise")`` saw NaN or Inf: the message names the module and step.
 
-    Also as attributes: ``module``, ``kind``, ``path``, ``step`` (``None`` outside ``record()``).
+    Also as attributes: ``module``, ``kind``, ``path``, ``step`` (``None`` outside ``record()``),
+    and, when raised by a guard, ``nan`` and ``inf`` (the counts), ``shape`` and ``dtype`` of the value.
     """
 
-    def __init__(self, message: str, module: str = "", kind: str = "", path: str = "", step: int | None = None):
+    def __init__(self, message: str, module: str = "", kind: str = "", path: str = "", step: int | None = None,
+                 nan: int | None = None, inf: int | None = None, shape: tuple | None = None,
+                 dtype: str | None = None):
         super().__init__(message)
         self.module, self.kind, self.path, self.step = module, kind, path, step
+        self.nan, self.inf, self.shape, self.dtype = nan, inf, shape, dtype
 
     def __reduce__(self):
-        return type(self), (str(self), self.module, self.kind, self.path, self.step)
+        return type(self), (str(self), self.module, self.kind, self.path, self.step, self.nan, self.inf,
+                            self.shape, self.dtype)
 
 
 def check_finite(x: torch.Tensor, module: str, kind: str, path: str, *, from_autograd: bool = False) -> None:
-    """Raise :class:`NonfiniteError` if ``x`` holds NaN or Inf (a host sync: guards pay one per tensor)."""
+    """Raise :class:`NonfiniteError` if ``x`` holds NaN or Inf (a host sync: guards pay one per tensor).
+
+    While a log records, the bad value's statistics are recorded first, so the log (and the report
+    written from it after the stop) names the module, step and counts, as the error does.
+    """
     if not bool(torch.isfinite(x).all()):
         log = _state.active(from_autograd=from_autograd)
         where = f"at step {log.step}" if log is not None else "outside picklehooks.record(), so no step is known"
         nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
         at = f" (path {path!r})" if path else ""
-        raise NonfiniteError(f"non-finite {kind} in module {module!r}{at} {where}: {nan} NaN, {inf} Inf "
-                             f"among {x.numel()} values", module, kind, path, None if log is None else log.step)
+        error = NonfiniteError(
+            f"non-finite {kind} in module {module!r}{at} {where}: {nan} NaN, {inf} Inf among {x.numel()} values",
+            module, kind, path, None if log is None else log.step, nan, inf, tuple(x.shape),
+            str(x.dtype).removeprefix("torch."))
+        if log is not None:
+            try:
+                record_tensor(log, module, kind, path, x.detach(), STATS)
+            except Exception as exc:  # the guard's error comes first; say why its record is missing
+                error.add_note(f"picklehooks could not record this value in the log: {exc!r}")
+        raise error
 
 
 # Tap sites are numbered in the bits above the flags (see _tap_setup); kernels only test flag bits.

@@ -46,9 +46,20 @@ def push(log) -> contextvars.Token:
 
 
 def pop(log, token: contextvars.Token) -> None:
-    _ACTIVE.reset(token)
+    """Stop ``log`` recording: undo its :func:`push`, also from another context than the one that pushed.
+
+    A token can only be reset in the context that made it; elsewhere (a
+    callback's exit run by another thread or task) the log stops being active
+    there, and always anywhere (``_ANYWHERE``), so nothing keeps recording into it.
+    """
+    try:
+        _ACTIVE.reset(token)
+    except ValueError:  # "created in a different Context"
+        if _ACTIVE.get() is log:
+            _ACTIVE.set(None if token.old_value is contextvars.Token.MISSING else token.old_value)
     with _LOCK:
-        _ANYWHERE.remove(log)
+        if log in _ANYWHERE:
+            _ANYWHERE.remove(log)
         for notify in _ON_CHANGE:
             notify(bool(_ANYWHERE))
 

@@ -131,7 +131,7 @@ def plain_stats(t: torch.Tensor) -> dict:
         "max": v.max().item(),
         "absmax": v.abs().max().item(),
         "norm": torch.linalg.vector_norm(v).item(),
-        "nan": int(torch.isnan(v).sum()),
-        "inf": int(torch.isinf(v).sum()),
+        "n_nan": int(torch.isnan(v).sum()),
+        "n_inf": int(torch.isinf(v).sum()),
         "zero_frac": (v == 0).sum().item() / v.numel(),
     }

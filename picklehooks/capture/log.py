@@ -37,7 +37,6 @@ follows its own forward (training loops, modules called several times).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Iterator, NamedTuple
 
@@ -45,13 +44,12 @@ import torch
 
 from .. import _state
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES
 from . import logfile as _logfile, sink as _sink, table as _table
 from .pending import PENDING_BYTES, _Pending
-from .record import Record, _record_from_row
+from .record import STAT_NAMES, Record, _record_from_row
 from .rows import Rows
 
-__all__ = ["Record", "Log", "record", "held", "Held", "STAT_NAMES", "PENDING_BYTES", "FLUSH_ROWS", "FLUSH_BYTES"]
+__all__ = ["Record", "Log", "record", "Recording", "held", "Held", "STAT_NAMES", "PENDING_BYTES", "FLUSH_ROWS", "FLUSH_BYTES"]
 
 #: With a sink: records waiting in memory that make ``next_step()`` write them (a Parquet part of
 #: about this many rows; a few MB of memory).
@@ -126,10 +124,18 @@ class Log(Rows):
         (or :data:`FLUSH_BYTES` of tensors).
         """
         self.step += 1
-        if self._sink is not None and (len(self._rows) + len(self._records) >= self.flush_rows
-                                       or self._tensor_bytes >= FLUSH_BYTES):
-            self.flush()
+        _flush_if_due(self)
         return self.step
+
+    def begin_step(self, step: int) -> None:
+        """Start training step ``step``: records carry it, and ``call`` counts from 0 again.
+
+        So ``call`` is the call within the step: micro-batch ``k`` of gradient accumulation is
+        ``call == k`` for a module run once per forward, in every form of the model. Every gradient
+        of the previous step must have arrived. With a sink, writes what waits, as :meth:`next_step`.
+        """
+        self._begin_step(step)
+        _flush_if_due(self)
 
     def flush(self) -> int:
         """Write every record in memory to the sink as one Parquet part and drop it; return how many.
@@ -167,14 +173,7 @@ class Log(Rows):
 
     # -- thin delegations to the layers above (imported when called) ---------
     def vjp(self, output_name, input_name, v: torch.Tensor | None = None) -> torch.Tensor:
-        """The vector-Jacobian product ``v^T d(output)/d(input)`` between two recorded intermediates.
-
-        Names are module names (their first output) or ``(module, kind, path, call)`` keys;
-        ``v`` defaults to ones. Needs ``record(keep_graph=True)``::
-
-            with picklehooks.record(keep_graph=True) as log:
-                model(x)
-            g = log.vjp("head", "encoder.0")
+        """``v^T d(output)/d(input)`` between two recorded intermediates (needs ``record(keep_graph=True)``).
 
         See :func:`picklehooks.diagnostics.jacobian.recorded_vjp`.
         """
@@ -182,12 +181,9 @@ class Log(Rows):
         return recorded_vjp(self, output_name, input_name, v)
 
     def jacobian_norm(self, output_name, input_name, *, samples: int = 64, seed: int = 0) -> tuple[float, float]:
-        """Hutchinson estimate of ``||d(output)/d(input)||_F`` between two recorded intermediates.
+        """Hutchinson estimate ``(estimate, standard_error)`` of ``||d(output)/d(input)||_F`` (``keep_graph=True``).
 
-        Returns ``(estimate, standard_error)`` from ``samples`` Rademacher
-        probes, one backward pass each. Names as in :meth:`vjp`; needs
-        ``record(keep_graph=True)``. See
-        :func:`picklehooks.diagnostics.jacobian.recorded_jacobian_norm`.
+        See :func:`picklehooks.diagnostics.jacobian.recorded_jacobian_norm`.
         """
         from ..diagnostics.jacobian import recorded_jacobian_norm
         return recorded_jacobian_norm(self, output_name, input_name, samples=samples, seed=seed)
@@ -262,6 +258,14 @@ class Log(Rows):
 
 
 
+def _flush_if_due(log: Log) -> None:
+    """At a step's start: with a sink, write what waits once there are ``flush_rows`` records or
+    :data:`FLUSH_BYTES` of tensors."""
+    if log._sink is not None and (len(log._rows) + len(log._records) >= log.flush_rows
+                                  or log._tensor_bytes >= FLUSH_BYTES):
+        log.flush()
+
+
 class Held(NamedTuple):
     """What a log holds in memory at one moment (see :func:`held`)."""
 
@@ -283,10 +287,9 @@ def held(log: Log) -> Held:
                 len(pending.unreduced) + len(pending.reduced) + len(pending.seen), log._lazy is not None)
 
 
-@contextlib.contextmanager
 def record(*, step: int = 0, keep_graph: bool = False, log: Log | None = None,
            sink: str | os.PathLike | None = None, append: bool = False,
-           flush_rows: int | None = None) -> Iterator[Log]:
+           flush_rows: int | None = None) -> Recording:
     """Record what instrumented models compute in this thread/context::
 
         with picklehooks.record() as log:
@@ -305,16 +308,53 @@ def record(*, step: int = 0, keep_graph: bool = False, log: Log | None = None,
     ``dir`` must be new or empty, or hold a sink of an earlier run and
     ``append=True``; anything else is refused. The records left are written on
     exit, whatever ends the block.
+
+    Leaving the block by any exception (a :class:`~picklehooks.NonfiniteError`
+    included), or by the close of a generator it sits in, stops recording. The
+    returned :class:`Recording` can also be entered and left by hand (a
+    training callback's ``__enter__()`` at one event and ``__exit__()`` at
+    another); one entered and never left records until the interpreter exits,
+    where nothing runs and nothing is reported.
     """
     if log is None:
         log = Log(step=step, keep_graph=keep_graph, sink=sink, append=append, flush_rows=flush_rows)
     else:
         log._set_sink(sink, append, flush_rows)
-    token = _state.push(log)
-    try:
-        yield log
-    finally:
-        _state.pop(log, token)
-        if log._sink is not None:
-            log.flush()
+    return Recording(log)
 
+
+class Recording:
+    """What :func:`record` returns: a context manager that makes ``log`` record while entered.
+
+    A class, not a generator: an abandoned one (entered, never left, as a
+    callback's may be when training dies) has no finaliser to run against a
+    half-torn-down interpreter at exit.
+    """
+
+    __slots__ = ("log", "_token")
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self._token = None
+
+    @property
+    def active(self) -> bool:
+        """Whether this recording is entered and not left yet."""
+        return self._token is not None
+
+    def __enter__(self) -> Log:
+        if self._token is not None:
+            raise PicklehooksError("this record() is active already; leave it before entering it again")
+        self._token = _state.push(self.log)
+        return self.log
+
+    def __exit__(self, *exc_info) -> None:
+        token, self._token = self._token, None
+        if token is None:  # left already: nothing to undo
+            return
+        log = self.log
+        try:
+            _state.pop(log, token)
+        finally:
+            if log._sink is not None:
+                log.flush()

@@ -12,6 +12,9 @@ fields, and that the tensors match the records that kept one (count, shape,
 dtype). Any mismatch raises :class:`PicklehooksError` naming the file and the
 record. Format 2 lists which records kept a tensor; format 1 (before) didn't,
 so there the tensor count can only be checked against the record count.
+Format 3 renamed the statistics ``nan`` and ``inf`` to ``n_nan`` and ``n_inf``
+(:data:`~picklehooks.capture.record.RENAMED_STATS`); rows of formats 1 and 2
+are read under the new names.
 
 Limits: the swap is two renames, so for an instant the target path doesn't
 exist; readers see the old log or the new one, never a mix.
@@ -29,10 +32,10 @@ import tempfile
 import torch
 
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES
+from .record import STAT_NAMES, _renamed
 
 RECORDS, TENSORS = "records.json", "tensors.safetensors"
-FORMAT, VERSION = "picklehooks-log", 2
+FORMAT, VERSION = "picklehooks-log", 3  # 3: n_nan, n_inf (were nan, inf); 2: the "tensors" list
 _OWN_FILES = frozenset({RECORDS, TENSORS})
 # Strict JSON has no NaN or Infinity; they are written as these strings.
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -123,15 +126,15 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[torch.Tensor | None]
         raise PicklehooksError(f"{records_file!r} is not readable JSON: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise PicklehooksError(f"{records_file!r} is not a picklehooks log")
-    if document.get("version") not in (1, VERSION):
+    if document.get("version") not in (1, 2, VERSION):
         raise PicklehooksError(
-            f"{records_file!r} is log format {document.get('version')!r}; this picklehooks reads 1 and {VERSION}, "
+            f"{records_file!r} is log format {document.get('version')!r}; this picklehooks reads 1 to {VERSION}, "
             "so it was written by a newer picklehooks")
     step, raw_rows = document.get("step"), document.get("records")
     if not isinstance(step, int) or not isinstance(raw_rows, list):
         raise PicklehooksError(f"{records_file!r}: 'step' must be an int and 'records' a list")
     rows = [_check_row(records_file, i, row) for i, row in enumerate(raw_rows)]
-    tensors = _load_tensors(where, rows, document.get("tensors") if document.get("version") == VERSION else None)
+    tensors = _load_tensors(where, rows, document.get("tensors") if document.get("version") != 1 else None)
     return rows, tensors, step
 
 
@@ -145,11 +148,11 @@ def _check_row(file: str, i: int, row) -> dict:
     shape = row["shape"]
     if shape is not None and not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise PicklehooksError(f"{file!r}: record {i} has shape {shape!r}, not a list of sizes")
-    out = dict(row)
+    out = dict(_renamed(row))  # nan, inf: formats 1 and 2
     for name in STAT_NAMES:
-        value = _from_json_float(row.get(name))
+        value = _from_json_float(out.get(name))
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise PicklehooksError(f"{file!r}: record {i} has {name}={row.get(name)!r}, not a number")
+            raise PicklehooksError(f"{file!r}: record {i} has {name}={out.get(name)!r}, not a number")
         out[name] = value
     return out
 

@@ -67,6 +67,16 @@ class CallPairing:
         self._awaiting_grad: dict[tuple[str, str, str], list[int]] = {}
         self._maybe_grad: dict[tuple[str, str, str], list[int]] = {}
 
+    def _restart_calls(self) -> None:
+        """Count calls from 0 again (a new training step): every gradient of the old calls has come.
+
+        Cleared in place: the native lane holds these dicts by attribute name only, but clearing
+        keeps any reference to them valid.
+        """
+        for table in (self._calls, self._open, self._closing, self._awaiting_grad, self._maybe_grad,
+                      self.__dict__.get("_site_calls", {})):  # compiled graphs' tap sites (picklehooks._deliver)
+            table.clear()
+
     def _next_call(self, module: str, kind: str, path: str, expect: int = 0) -> int:
         """The ``call`` of a new record; ``expect``: whether a gradient of this forward value
         will follow (:data:`_SURE`), may follow (:data:`_MAYBE`), or won't (0)."""

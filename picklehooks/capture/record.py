@@ -7,23 +7,83 @@ batch (:mod:`picklehooks.capture.pending`) the first time they are asked for.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import warnings
 
 import torch
 
-from .._stats import STAT_NAMES
+from .. import _stats
 from .pending import _PendingRow, _read_pending
 
-__all__ = ["Record", "STAT_NAMES"]
+__all__ = ["Record", "STAT_NAMES", "RENAMED_STATS"]
 
-_COUNTS = ("nan", "inf")
+#: Old statistic names -> their names now (issue #28). ``nan`` and ``inf`` read as pandas' float
+#: constants in ``DataFrame.query("nan > 0")``, so the counts became ``n_nan`` and ``n_inf``.
+#: Only the reading side was renamed: the kernels of the pinned runtime still compute the values in
+#: the order of :data:`picklehooks._stats.STAT_NAMES`, under its old names (the wire contract).
+RENAMED_STATS = {"nan": "n_nan", "inf": "n_inf"}
+#: The statistics of a record, in the order the kernels compute them (position ``i`` here is
+#: position ``i`` of :data:`picklehooks._stats.STAT_NAMES`): keys of ``Record.stats``, columns
+#: of ``Log.table()``, ``to_pandas()``, ``records.json`` and sinks.
+STAT_NAMES = tuple(RENAMED_STATS.get(name, name) for name in _stats.STAT_NAMES)
+
+_COUNTS = ("n_nan", "n_inf")
+
+
+class Stats(dict):
+    """``Record.stats``: a plain dict, except that an old statistic name (:data:`RENAMED_STATS`)
+    still finds its value, with a ``DeprecationWarning`` naming the new one; iterating, ``in`` and
+    equality see the new names only."""
+
+    __slots__ = ()
+
+    def __missing__(self, key):
+        new = RENAMED_STATS.get(key) if isinstance(key, str) else None
+        if new is None or not dict.__contains__(self, new):
+            raise KeyError(key)
+        _warn_renamed(key, new)
+        return dict.__getitem__(self, new)
+
+    def get(self, key, default=None):
+        new = RENAMED_STATS.get(key) if isinstance(key, str) and not dict.__contains__(self, key) else None
+        if new is not None and dict.__contains__(self, new):
+            _warn_renamed(key, new)
+            return dict.__getitem__(self, new)
+        return dict.get(self, key, default)
+
+    # Pickled as an OrderedDict, which torch.load(weights_only=True) accepts, as it did the plain
+    # dict stats were before; copies stay Stats (the values are numbers, strings and tuples).
+    def __reduce__(self):
+        return collections.OrderedDict, (list(self.items()),)
+
+    def __copy__(self) -> Stats:
+        return Stats(self)
+
+    def __deepcopy__(self, memo) -> Stats:
+        return Stats(self)
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    warnings.warn(f"the statistic {old!r} is now called {new!r}: read stats[{new!r}] (the old name "
+                  "goes away in the next release)", DeprecationWarning, stacklevel=3)
+
+
+def _renamed(row: dict) -> dict:
+    """``row`` with its statistics under the names of :data:`STAT_NAMES`: a row an older picklehooks
+    wrote (``nan``, ``inf``) is copied with those keys renamed; a current one is returned as it is."""
+    if not any(old in row for old in RENAMED_STATS):
+        return row
+    return {(RENAMED_STATS[k] if k in RENAMED_STATS and RENAMED_STATS[k] not in row else k): v
+            for k, v in row.items()}
 
 
 def _stats_dict(shape: tuple, dtype: str, values) -> dict:
-    stats = dict(zip(STAT_NAMES, values))
+    stats = Stats(shape=shape, dtype=dtype)
+    stats.update(zip(STAT_NAMES, values))
     for name in _COUNTS:
         stats[name] = int(stats[name])
-    return {"shape": shape, "dtype": dtype, **stats}
+    return stats
 
 
 
@@ -92,7 +152,9 @@ def _record_from_row(row: dict, tensor: torch.Tensor | None) -> Record:
     shape = tuple(row["shape"]) if row["shape"] is not None else None
     rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
                  dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor)
-    if row.get("mean") is not None or row.get("nan") is not None:
-        rec._stats = {"shape": shape, "dtype": row["dtype"], **{n: row[n] for n in STAT_NAMES}}
+    row = _renamed(row)  # a row of an older picklehooks: nan, inf
+    if row.get("mean") is not None or row.get("n_nan") is not None:
+        rec._stats = Stats(shape=shape, dtype=row["dtype"])
+        rec._stats.update((n, row[n]) for n in STAT_NAMES)
     return rec
 

@@ -27,6 +27,7 @@ import torch
 from .. import _native
 from .._native import stats as native_stats
 from .._ops import GRAD_NONE, GRAD_SURE, STATS, TENSOR
+from .._shim import PicklehooksError
 from .._stats import EMPTY
 from .logfile import dtype_name
 from .pairing import _FORWARD_OF, _MAYBE, _MAYBE_KEPT, _MAYBE_TRIM, _PAIRED, _SURE, CallPairing, _expects_grad
@@ -65,6 +66,13 @@ class Rows(CallPairing):
         #: This process's torch.distributed rank, if a process group is up; every record carries it.
         self.rank = _current_rank()
         self._pending = _Pending()
+
+    def _begin_step(self, step: int) -> None:
+        """Records made from now on carry ``step``, and calls are counted from 0 again (a training step)."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise PicklehooksError(f"step={step!r}: give the step as an int")
+        self._restart_calls()
+        self.step = step
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
         """Record ``x`` as it is now: statistics are computed here or ``x`` is copied, never kept as is.

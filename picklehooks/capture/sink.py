@@ -9,8 +9,8 @@ A sink directory holds::
 
 Every part has the columns of :meth:`picklehooks.Log.table`: ``module kind
 path call step shape dtype value rank`` and the statistics
-(:data:`~picklehooks._stats.STAT_NAMES`; ``nan`` and ``inf`` as int64, the
-rest float64, null where a record has none), then ``tensor_file`` and
+(:data:`~picklehooks.capture.record.STAT_NAMES`; ``n_nan`` and ``n_inf`` as
+int64, the rest float64, null where a record has none), then ``tensor_file`` and
 ``tensor_key``: where a record's tensor is (a path relative to the directory,
 a key inside that safetensors file), or null. So other tools read a sink
 without picklehooks::
@@ -30,6 +30,10 @@ process, but a power cut may lose the last parts.
 A directory holding anything a sink doesn't is refused, so nothing of the
 user's is mixed in or overwritten; one that already holds parts is refused
 unless ``append=True``, which numbers new parts after the last one.
+
+Format 1 named the counts ``nan`` and ``inf``; format 2 names them ``n_nan``
+and ``n_inf``. :class:`Reader` reads parts of both, even in one directory
+(appending to a format-1 sink marks it format 2 and adds format-2 parts).
 
 Limits: one writer per directory (several processes, such as the ranks of a
 distributed job, each need their own: ``f"run/rank{rank}"``; pyarrow and
@@ -52,10 +56,10 @@ import torch
 
 from .logfile import dtype_name
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES
+from .record import RENAMED_STATS, STAT_NAMES
 
 MANIFEST, TENSOR_DIR = "_picklehooks.json", "_tensors"
-FORMAT, VERSION = "picklehooks-sink", 1
+FORMAT, VERSION = "picklehooks-sink", 2  # 2: n_nan, n_inf (were nan, inf)
 #: Columns of a part, in order (``table()``'s, then where the tensor is).
 COLUMNS = ("module", "kind", "path", "call", "step", "shape", "dtype", "value", "rank", *STAT_NAMES,
            "tensor_file", "tensor_key")
@@ -68,6 +72,7 @@ _INSTALL = "pip install 'picklehooks[parquet]'"
 def _pyarrow():
     try:
         import pyarrow
+        import pyarrow.compute
         import pyarrow.dataset
         import pyarrow.parquet
     except ImportError:
@@ -80,10 +85,17 @@ def schema():
     """The Arrow schema of every part."""
     pa = _pyarrow()
     types = {"call": pa.int64(), "step": pa.int64(), "shape": pa.list_(pa.int64()), "rank": pa.int64(),
-             "nan": pa.int64(), "inf": pa.int64()}
+             "n_nan": pa.int64(), "n_inf": pa.int64()}
     required = {"module", "kind", "path", "call", "step"}
     return pa.schema([pa.field(name, types.get(name, pa.float64() if name in STAT_NAMES else pa.string()),
                                nullable=name not in required) for name in COLUMNS])
+
+
+@functools.lru_cache(maxsize=None)
+def _read_schema():
+    """:func:`schema` plus the columns format 1 had instead (``nan``, ``inf``): what a part lacks reads as null."""
+    pa = _pyarrow()
+    return pa.schema([*schema(), *(pa.field(old, pa.int64()) for old in RENAMED_STATS)])
 
 
 def is_sink(path: str | os.PathLike) -> bool:
@@ -96,7 +108,8 @@ def _part_numbers(where: str) -> list[int]:
     return sorted(int(m.group(1)) for name in os.listdir(where) if (m := _PART.fullmatch(name)))
 
 
-def _check_manifest(where: str) -> None:
+def _check_manifest(where: str) -> int:
+    """The format version of the sink at ``where``, one this picklehooks reads."""
     file = os.path.join(where, MANIFEST)
     try:
         with open(file) as f:
@@ -105,10 +118,11 @@ def _check_manifest(where: str) -> None:
         raise PicklehooksError(f"{file!r} is not readable JSON: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise PicklehooksError(f"{file!r} does not mark a picklehooks sink (format {FORMAT!r})")
-    if document.get("version") != VERSION:
+    if document.get("version") not in (1, VERSION):
         raise PicklehooksError(
-            f"{file!r} is sink format {document.get('version')!r}; this picklehooks reads {VERSION}, "
+            f"{file!r} is sink format {document.get('version')!r}; this picklehooks reads 1 and {VERSION}, "
             "so it was written by a newer picklehooks")
+    return document["version"]
 
 
 def _write_file(final: str, write) -> None:
@@ -173,8 +187,7 @@ class Writer:
             raise PicklehooksError(
                 f"can't use {where!r} as a log sink: it holds {', '.join(map(repr, foreign[:5]))}{hint}, which a "
                 "sink doesn't; stream into a new or empty directory")
-        if MANIFEST in names:
-            _check_manifest(where)
+        version = _check_manifest(where) if MANIFEST in names else None
         parts = _part_numbers(where)
         if parts and not append:
             raise PicklehooksError(
@@ -184,12 +197,21 @@ class Writer:
         taken = parts + ([int(m.group(1)) for n in os.listdir(tensor_dir) if (m := _TENSORS.fullmatch(n))]
                          if os.path.isdir(tensor_dir) else [])
         self.next = max(taken, default=-1) + 1
+        manifest = {"format": FORMAT, "version": VERSION, "columns": list(COLUMNS)}
         if MANIFEST not in names:
             try:
-                _write_file(os.path.join(where, MANIFEST),
-                            _write_json({"format": FORMAT, "version": VERSION, "columns": list(COLUMNS)}))
+                _write_file(os.path.join(where, MANIFEST), _write_json(manifest))
             except PicklehooksError:
                 _check_manifest(where)  # another writer made it first; its parts will clash, not this
+        elif version != VERSION:  # format 1: its parts stay as they are (Reader reads both formats)
+            fd, temp = tempfile.mkstemp(prefix=".part-", suffix=".tmp", dir=where)
+            os.close(fd)
+            try:
+                _write_json(manifest)(temp)
+                os.replace(temp, os.path.join(where, MANIFEST))
+            finally:
+                if os.path.exists(temp):
+                    os.unlink(temp)
 
     def write(self, columns: dict[str, list], tensors: dict[int, torch.Tensor], step: int) -> str:
         """Write one part: ``columns`` (every column of :data:`COLUMNS` but the tensor ones) and the
@@ -244,7 +266,7 @@ class Reader:
     def _scan(self, how, *args):
         pa = _pyarrow()
         try:
-            return how(pa.dataset.dataset(self.parts(), schema=schema(), format="parquet"), *args)
+            return how(pa.dataset.dataset(self.parts(), schema=_read_schema(), format="parquet"), *args)
         except (pa.ArrowException, OSError) as exc:
             raise PicklehooksError(f"{self.path!r}: a part is not Parquet of a picklehooks sink: {exc}") from None
 
@@ -253,8 +275,19 @@ class Reader:
         return self._scan(lambda d: d.count_rows(filter=where))
 
     def table(self, where=None, columns: list[str] | None = None):
-        """A ``pyarrow.Table`` of the matching rows, in the order written."""
-        return self._scan(lambda d: d.to_table(filter=where, columns=columns))
+        """A ``pyarrow.Table`` of the matching rows, in the order written; the counts of format-1
+        parts (``nan``, ``inf``) under their names now (``n_nan``, ``n_inf``)."""
+        pa = _pyarrow()
+        if columns is not None:
+            columns = [*columns, *(old for old, new in RENAMED_STATS.items() if new in columns)]
+        table = self._scan(lambda d: d.to_table(filter=where, columns=columns))
+        for old, new in RENAMED_STATS.items():
+            if old in table.column_names:
+                if new in table.column_names:  # a part has one or the other: the other is null
+                    merged = pa.compute.coalesce(table.column(new), table.column(old))
+                    table = table.set_column(table.column_names.index(new), new, merged)
+                table = table.select([name for name in table.column_names if name != old])
+        return table
 
     def step(self) -> int:
         """The writing log's ``step`` when it wrote the last part (0 for a sink without parts)."""

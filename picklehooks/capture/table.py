@@ -8,11 +8,10 @@ from __future__ import annotations
 
 
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES
 from . import sink as _sink
 from .logfile import dtype_name
 from .pending import _read_pending
-from .record import _COUNTS, Record, _record_from_row
+from .record import _COUNTS, STAT_NAMES, Record, _record_from_row
 
 _NO_STATS = (None,) * len(STAT_NAMES)
 

@@ -18,8 +18,16 @@ call and cleaned up afterwards; an already instrumented model (eager, loaded,
 scripted, FX-traced, compiled, exported) is used with its own hooks. Results
 are dataclasses and lists of dict rows, ready for a table.
 
+Each takes what Hugging Face models take: a batch is a tuple of positional
+arguments, a dict of keyword arguments (run as ``model(**batch)``) or a
+single tensor, and functions taking ``*inputs`` take keyword arguments too.
+A ``loss_fn`` gets the output and the batch items the model didn't take, or
+the output alone when it takes one argument; with none, the output's own
+``.loss`` is used. Loops over batches show a tqdm bar in a terminal.
+
 >>> from picklehooks.diagnostics import find_nonfinite
 >>> find_nonfinite(model, x)   # None, or where NaN/Inf first appeared
+>>> find_nonfinite(hf_model, **batch)   # keyword arguments; backward of out.loss when there are labels
 """
 
 from __future__ import annotations

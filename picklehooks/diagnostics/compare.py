@@ -11,8 +11,10 @@ step) and computes, per record, in the execution order of the first log:
 
 and the first diverging record (``rel_err > tol``, or shapes differ, or NaN
 where the other has none): with everything before it exact, that is the
-layer the transformation changed. :func:`record_forward` makes such a log
-from a model in any form.
+layer the transformation changed (a progress bar counts the records in a
+terminal). :func:`record_forward` makes such a log from a model in any form,
+called with positional and/or keyword arguments (``record_forward(model,
+**batch)`` for an HF model).
 
 Limits: the per-element numbers need tensors (``mode="tensor"`` or
 ``"both"``). When a pair has only statistics, its row says
@@ -34,7 +36,7 @@ import torch
 from .._shim import PicklehooksError
 from ..capture.instrument import CAPTURE_KINDS
 from ..capture.log import Log, Record, record
-from ._common import hooked, need, stats_of
+from ._common import hooked, need, progress, stats_of
 
 __all__ = ["Comparison", "compare", "record_forward"]
 
@@ -114,7 +116,7 @@ def compare(log_a: Log, log_b: Log, *, kinds: Iterable[str] = ("output",), tol: 
         raise PicklehooksError(f"log_a has no tensor records of kinds {kinds}; it recorded "
                                f"{sorted({r.kind for r in log_a.records}) or 'nothing'}")
     rows = []
-    for key, ra in a.items():
+    for key, ra in progress(a.items(), "compare", unit="record"):
         rb = b.get(key)
         if rb is None:
             continue
@@ -133,17 +135,21 @@ def compare(log_a: Log, log_b: Log, *, kinds: Iterable[str] = ("output",), tol: 
         basis=bases.pop() if len(bases) == 1 else ("mixed" if bases else "none"), tol=tol)
 
 
-def record_forward(model, *inputs, kinds: Iterable[str] = ("output",)) -> Log:
+def record_forward(model, *inputs, kinds: Iterable[str] = ("output",), **kwargs) -> Log:
     """One forward pass of ``model`` (in any form) under ``record()``, keeping tensors: a log for :func:`compare`.
 
     >>> log = record_forward(model, x)               # a plain model is instrumented for the call
     >>> log_q = record_forward(torch.jit.script(instrumented), x)
+    >>> log_hf = record_forward(hf_model, **batch)   # keyword arguments, as HF models take
+
+    ``model(*inputs, **kwargs)`` is what runs; a model keyword called
+    ``kinds`` can't be passed this way.
     """
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     bad = [k for k in kinds if k not in _FORWARD_KINDS]
     if bad or not kinds:
         raise PicklehooksError(f"kinds={kinds!r}: record_forward records {', '.join(_FORWARD_KINDS)}")
     with hooked(model, capture=kinds, mode="tensor"), torch.no_grad(), record() as log:
-        model(*inputs)
+        model(*inputs, **kwargs)
     need(log, kinds, "record_forward")
     return log

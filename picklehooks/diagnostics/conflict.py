@@ -11,6 +11,9 @@ shared trunk. ``layers`` breaks the cosines down per module.
 Shared parameters are those that get a non-zero gradient from at least two
 tasks (heads drop out), or the ones named in ``params``.
 
+The batch is a tuple, a dict of keyword arguments (as HF models take) or a
+tensor.
+
 Limits: one batch (run it on a few to see if a conflict is systematic); works
 on parameter gradients, so it needs no hooks and accepts a model in any form
 (eager, scripted, compiled, exported), but a model without trainable
@@ -26,6 +29,7 @@ from typing import Callable, Iterable
 import torch
 
 from .._shim import PicklehooksError
+from ._common import loss_of, split_batch
 
 __all__ = ["ConflictReport", "gradient_conflict"]
 
@@ -77,26 +81,28 @@ def _choose(named: dict[str, torch.Tensor], grads: dict[str, list[torch.Tensor]]
     return chosen
 
 
-def gradient_conflict(model, inputs: tuple, losses: dict[str, Callable], *,
+def gradient_conflict(model, inputs, losses: dict[str, Callable], *,
                       params: Iterable[str | torch.Tensor] | None = None) -> ConflictReport:
     """Each task's gradient norm on the shared parameters and the pairwise cosine similarities.
 
     >>> report = gradient_conflict(model, (x,), {"a": lambda out: out[0].mean(), "b": lambda out: out[1].mean()})
     >>> report.matrix   # [[1.0, -0.93], [-0.93, 1.0]]: the tasks pull the trunk in opposite directions
+
+    ``inputs`` is one batch: a tuple of positional arguments, a dict of
+    keyword arguments (``model(**inputs)``, an HF batch) or a single tensor.
+    Each loss function gets the model's output.
     """
     if not isinstance(losses, dict) or len(losses) < 2 or not all(callable(f) for f in losses.values()):
         raise PicklehooksError(f"losses must be a dict of two or more {{task: loss_fn(output)}}, got {losses!r}")
-    if not isinstance(inputs, (tuple, list)):
-        raise PicklehooksError(f"inputs must be a tuple of forward arguments, got {type(inputs).__name__}; "
-                               "for a single tensor write (x,)")
+    args, kwargs, _ = split_batch(inputs, "inputs")
     # A compiled model's parameters live under "_orig_mod."; report the eager names.
     named = {n.removeprefix("_orig_mod."): p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise PicklehooksError(f"{type(model).__name__} has no trainable parameters: there is no gradient to compare")
-    output = model(*inputs)
+    output = model(*args, **kwargs)
     grads, values = {}, {}
     for task, loss_fn in losses.items():
-        loss = loss_fn(output)
+        loss = loss_of(output, loss_fn, what=f"losses[{task!r}]")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise PicklehooksError(f"losses[{task!r}] must return a scalar tensor")
         values[task] = float(loss.detach())

@@ -1,8 +1,10 @@
 """Gradient flow: each layer's gradient norm over training steps, and the layers where it vanishes or explodes.
 
 :func:`gradient_flow` runs ``loss_fn`` on the model's output for each batch
-and backward (stepping ``optimizer`` when given: a real training loop),
-recording each module's ``grad_output``. A layer's gradient norm at a step
+(a tuple, a dict of keyword arguments as HF models take, or a tensor; the
+loss is the output's own ``.loss`` when ``loss_fn`` is left out) and
+backward (stepping ``optimizer`` when given: a real training loop),
+recording each module's ``grad_output``, with a progress bar in a terminal. A layer's gradient norm at a step
 is the norm of the gradient arriving at its output (all of its outputs and
 calls at that step together). :func:`flow_from_log` does the same from any
 log holding ``grad_output`` records (steps by ``Record.step``).
@@ -32,7 +34,8 @@ from typing import Callable, Iterable
 
 from .._shim import PicklehooksError
 from ..capture.log import Log, record
-from ._common import backward, call, hooked, need, progress, stats_of
+from ._common import (BATCH_FORMS, backward, batch_tensors, batches_of, hooked, loss_of, need, progress,
+                      split_batch, stats_of)
 
 __all__ = ["GradientFlow", "gradient_flow", "flow_from_log"]
 
@@ -111,34 +114,39 @@ def flow_from_log(log: Log, *, vanish: float = 1e-7, explode: float = 1e3, floor
     return _flow(order, [by_step[s] for s in sorted(by_step)], [], vanish=vanish, explode=explode, floor=floor)
 
 
-def gradient_flow(model, batches: Iterable[tuple], loss_fn: Callable, *, optimizer=None, n_inputs: int | None = None,
-                  vanish: float = 1e-7, explode: float = 1e3, floor: float = 0.0) -> GradientFlow:
+def gradient_flow(model, batches: Iterable, loss_fn: Callable | None = None, *, optimizer=None,
+                  n_inputs: int | None = None, vanish: float = 1e-7, explode: float = 1e3,
+                  floor: float = 0.0) -> GradientFlow:
     """Per-layer gradient norms over ``batches``; flags vanishing and exploding layers.
 
     >>> flow = gradient_flow(model, [(x, y)], lambda out, y: F.mse_loss(out, y), n_inputs=1, optimizer=opt)
     >>> flow.flagged   # [{'module': '0', 'median': 3e-12, 'ratio': 1e-11, 'flag': 'vanishing', ...}, ...]
+    >>> gradient_flow(hf_model, [batch_dict, ...])   # each run as model(**batch); the loss is out.loss
 
-    Each batch is a tuple: its first ``n_inputs`` items (default: all) go to the
-    model, the rest to ``loss_fn(output, *rest)``, which returns a scalar.
+    A batch is a tuple, a dict or a single tensor. A tuple's first
+    ``n_inputs`` items (default: all) go to the model, the rest to
+    ``loss_fn(output, *rest)``; a dict goes to the model as keyword arguments
+    (``model(**batch)``), a tensor as its one argument. ``loss_fn`` returns a
+    scalar; one taking a single argument gets the output alone; without it
+    the output's own ``.loss`` is used (an HF model given ``labels``).
     """
     _check(vanish=vanish, explode=explode, floor=floor)
     if n_inputs is not None and (not isinstance(n_inputs, int) or n_inputs < 0):
         raise PicklehooksError(f"n_inputs={n_inputs!r}: use how many leading batch items the model takes")
+    batches = batches_of(batches, "gradient_flow")
     order: dict[str, None] = {}
     steps, losses = [], []
     with hooked(model, capture=("grad_output",), mode="stats"):
         for i, batch in enumerate(progress(batches, "gradient_flow")):
-            if not isinstance(batch, (tuple, list)):
-                raise PicklehooksError(f"batch {i} is a {type(batch).__name__}; each batch must be a tuple")
-            split = len(batch) if n_inputs is None else n_inputs
+            args, kwargs, rest = split_batch(batch, f"batch {i}", n_inputs)
             with record(step=i) as log:  # one log per batch: memory stays one batch's
-                output = call(model, tuple(batch[:split]))
-                loss = loss_fn(output, *batch[split:])
+                output = model(*args, **kwargs)
+                loss = loss_of(output, loss_fn, rest)
                 if optimizer is not None:
                     optimizer.zero_grad()
                     loss.backward()
                 else:
-                    backward(loss, model, tuple(batch[:split]))
+                    backward(loss, model, batch_tensors(args, kwargs))
             if optimizer is not None:
                 optimizer.step()
             need(log, ("grad_output",), "gradient_flow")
@@ -147,5 +155,5 @@ def gradient_flow(model, batches: Iterable[tuple], loss_fn: Callable, *, optimiz
             steps.append(by_step.get(i, {}))
             losses.append(float(loss.detach()))
     if not steps:
-        raise PicklehooksError("gradient_flow got no batches; pass an iterable of tuples, e.g. [(x, y)]")
+        raise PicklehooksError(f"gradient_flow got no batches; pass an iterable of batches, each {BATCH_FORMS}")
     return _flow(list(order), steps, losses, vanish=vanish, explode=explode, floor=floor)

@@ -17,6 +17,10 @@ objects or qualified names (``"encoder.0"``); ``call`` picks which call of a
 module used several times (0 = first; a pair ``(output_call, input_call)``
 picks each side's, e.g. ``(1, 0)`` for a block applied twice).
 
+``inputs`` is one batch: a tensor, a tuple of positional arguments or a
+dict of keyword arguments (an HF batch). In a terminal, a progress bar counts
+Hutchinson's probes.
+
 Both work on the whole captured tensors, batch included: for a batch of
 independent samples ``J`` is block-diagonal and ``||J||_F^2`` is the sum of the
 samples' own squared norms; use a batch of one for one sample's Jacobian.
@@ -49,6 +53,7 @@ import torch
 from torch import nn
 
 from .._shim import PicklehooksError
+from ._common import progress, split_batch
 
 __all__ = ["vjp", "hutchinson_jacobian_norm", "recorded_vjp", "recorded_jacobian_norm"]
 
@@ -91,7 +96,7 @@ def _forward(model: nn.Module, inputs, output_module, input_module, call) -> tup
     in_name, in_mod = _module(model, input_module, "input_module")
     if out_mod is in_mod:
         raise PicklehooksError(f"output_module and input_module are the same module {out_name!r}")
-    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    args, kwargs, _ = split_batch(inputs, "inputs")
     seen = {"out": [], "in": []}
 
     def keep(role: str, name: str):
@@ -110,7 +115,7 @@ def _forward(model: nn.Module, inputs, output_module, input_module, call) -> tup
                out_mod.register_forward_hook(keep("out", out_name))]
     try:
         with torch.enable_grad():
-            model(*args)
+            model(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -153,7 +158,8 @@ def vjp(model: nn.Module, inputs, output_module, input_module, v: torch.Tensor |
         call: int | tuple[int, int] = 0) -> torch.Tensor:
     """``v^T J``: the vector-Jacobian product of ``output_module``'s output w.r.t. ``input_module``'s output.
 
-    ``inputs`` is a tensor or a tuple of forward arguments; ``v`` (shaped like
+    ``inputs`` is a tensor, a tuple of forward arguments or a dict of keyword
+    arguments (``model(**inputs)``, an HF batch); ``v`` (shaped like
     the later output) defaults to ones, which gives the gradient of
     ``output.sum()``. Returns a tensor shaped like the earlier output.
     Parameters' ``.grad`` are not touched.
@@ -222,14 +228,27 @@ def _unrelated_records(names: tuple) -> str:
 
 
 def recorded_vjp(log, output_name, input_name, v: torch.Tensor | None = None) -> torch.Tensor:
-    """:meth:`picklehooks.Log.vjp`: ``v^T d(output)/d(input)`` between two values ``log`` recorded."""
+    """:meth:`picklehooks.Log.vjp`: ``v^T d(output)/d(input)`` between two values ``log`` recorded.
+
+    Names are module names (their first output) or ``(module, kind, path, call)`` keys;
+    ``v`` defaults to ones. Needs ``record(keep_graph=True)``::
+
+        with picklehooks.record(keep_graph=True) as log:
+            model(x)
+        g = log.vjp("head", "encoder.0")
+    """
     out, inp = _recorded(log, output_name), _recorded(log, input_name)
     return _grad(out, inp, torch.ones_like(out) if v is None else v, retain=True,
                  unrelated=_unrelated_records((output_name, input_name)))
 
 
 def recorded_jacobian_norm(log, output_name, input_name, *, samples: int = 64, seed: int = 0) -> tuple[float, float]:
-    """:meth:`picklehooks.Log.jacobian_norm`: Hutchinson's estimate between two values ``log`` recorded."""
+    """:meth:`picklehooks.Log.jacobian_norm`: Hutchinson's estimate between two values ``log`` recorded.
+
+    Returns ``(estimate, standard_error)`` of ``||d(output)/d(input)||_F`` from
+    ``samples`` Rademacher probes, one backward pass each. Names as in
+    :func:`recorded_vjp`; needs ``record(keep_graph=True)``.
+    """
     out, inp = _recorded(log, output_name), _recorded(log, input_name)
     # retain_graph always: the log's graph stays usable for further vjp() calls.
     unrelated = _unrelated_records((output_name, input_name))
@@ -253,7 +272,7 @@ def hutchinson(y: torch.Tensor, vjp: Callable[[torch.Tensor, bool], torch.Tensor
         raise PicklehooksError(f"samples={samples!r}: use at least 2 probes (the standard error needs two)")
     generator = torch.Generator().manual_seed(seed)
     squares = []
-    for i in range(samples):
+    for i in progress(range(samples), "Jacobian norm", unit="probe"):
         v = torch.randint(0, 2, y.shape, generator=generator).to(device=y.device, dtype=y.dtype) * 2 - 1
         squares.append(vjp(v, i < samples - 1).detach().double().pow(2).sum())
     s = torch.stack(squares).cpu()

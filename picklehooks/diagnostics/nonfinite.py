@@ -1,8 +1,9 @@
 """Find the first module where NaN or Inf appears, in the forward pass or, if that is clean, in backward.
 
-:func:`find_nonfinite` runs one forward pass (and, given ``loss_fn``, one
-backward pass) under ``record()`` and returns the first recorded value, in
-execution order, holding NaN or Inf: a module's input (the model's own input,
+:func:`find_nonfinite` runs one forward pass, with positional and/or keyword
+arguments as HF models take (and one backward pass of ``loss_fn``'s loss or,
+without one, of the output's own ``.loss``), under ``record()`` and returns
+the first recorded value, in execution order, holding NaN or Inf: a module's input (the model's own input,
 or code between modules), its output, or a gradient. :func:`first_nonfinite`
 does the same on any :class:`~picklehooks.Log`, e.g. one loaded from disk or
 recorded from a scripted, compiled or exported model.
@@ -28,7 +29,7 @@ import torch
 
 from .._ops import NonfiniteError
 from ..capture.log import Log, Record, record
-from ._common import backward, hooked, need, nonfinite_count, stats_of
+from ._common import backward, batch_tensors, hooked, loss_of, need, nonfinite_count, own_loss, stats_of
 
 __all__ = ["NonfiniteReport", "find_nonfinite", "first_nonfinite"]
 
@@ -45,7 +46,7 @@ class NonfiniteReport:
     call: int
     step: int
     phase: str  # "forward" or "backward"
-    stats: dict  # the offending record's statistics (nan and inf are counts)
+    stats: dict  # the offending record's statistics (n_nan and n_inf are counts)
     inputs: list[dict]  # {"path", **stats} for each input record of this module's same call
     params: list[dict]  # {"name", **stats} for each recorded parameter of that call
     note: str  # how to read it
@@ -58,7 +59,7 @@ def _note(rec: Record, log: Log, inputs: list[dict]) -> str:
                 "instrumented module (e.g. a parent's forward)" if produced else
                 "the model's input is already non-finite (or code before the first instrumented module made it so)")
     if rec.kind == "output":
-        clean = inputs and all(row["nan"] + row["inf"] == 0 for row in inputs)
+        clean = inputs and all(row["n_nan"] + row["n_inf"] == 0 for row in inputs)
         return f"module {rec.module!r} turned finite inputs into a non-finite output" if clean else \
             f"module {rec.module!r} produced a non-finite output"
     if rec.kind == "grad_input":
@@ -93,28 +94,34 @@ def _nonfinite_tensor(value) -> bool:
     return isinstance(value, (tuple, list)) and any(_nonfinite_tensor(v) for v in value)
 
 
-def find_nonfinite(model, *inputs, loss_fn=None) -> NonfiniteReport | None:
-    """Run ``model(*inputs)`` (and backward of ``loss_fn(output)``); report where NaN/Inf first appears.
+def find_nonfinite(model, *inputs, loss_fn=None, **kwargs) -> NonfiniteReport | None:
+    """Run ``model(*inputs, **kwargs)`` (and backward of its loss); report where NaN/Inf first appears.
 
     >>> report = find_nonfinite(model, x, loss_fn=lambda out: out.pow(2).mean())
     >>> report.module, report.kind   # e.g. ('3', 'output'); None when everything stayed finite
+    >>> find_nonfinite(hf_model, **batch)   # keyword arguments, as HF models take; backward of out.loss
+
+    The backward pass runs on ``loss_fn(output)``, or, without ``loss_fn``,
+    on the output's own loss (an HF ``ModelOutput``'s ``.loss``, there when
+    the batch has ``labels``); with neither, the forward alone is checked.
+    A model keyword called ``loss_fn`` can't be passed this way.
     """
-    capture = ("input", "output", "param") + (_BACKWARD if loss_fn is not None else ())
+    capture = ("input", "output", "param") + _BACKWARD  # gradients are recorded only if backward runs
     with hooked(model, capture=capture, mode="stats"), record() as log:
         try:
-            output = model(*inputs)
+            output = model(*inputs, **kwargs)
             need(log, ("output", "input"), "find_nonfinite")
             found = first_nonfinite(log)
             if found is None and _nonfinite_tensor(output):
                 return NonfiniteReport("", "output", "", 0, log.step, "forward", {}, [], [],
                                        "the model's output is non-finite but no recorded value is: the fault is "
                                        "in code outside every instrumented module")
-            if found is not None or loss_fn is None:
+            if found is not None or (loss_fn is None and own_loss(output) is None):
                 return found  # a non-finite forward explains any backward; no need to run it
-            backward(loss_fn(output), model, inputs)
+            backward(loss_of(output, loss_fn), model, batch_tensors(inputs, kwargs))
         except NonfiniteError:
-            # A model instrumented with on_nonfinite="raise" stops at its guard; what was recorded
-            # before may already show the value (its guard runs before its own record is made).
+            # A model instrumented with on_nonfinite="raise" stops at its guard, which records the
+            # value it stops at: the log shows it.
             found = first_nonfinite(log)
             if found is None:
                 raise

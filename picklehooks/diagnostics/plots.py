@@ -3,8 +3,8 @@
 Every function writes one PNG and returns its path::
 
     from picklehooks.diagnostics import plots
-    plots.activation_histograms(log, "hist.png")       # one histogram per layer (or mean ± std bars)
-    plots.activation_heatmap(log, "heat.png", stat="absmax")   # layers × steps
+    plots.activation_histograms(log, "hist.png")       # one histogram per layer (or bars of statistics)
+    plots.activation_heatmap(log, "heat.png")           # layers × steps: absmax, log colour scale
     plots.gradient_flow_bars(log, "grads.png")          # ‖grad_output‖ per layer, log scale
     plots.comparison_errors(rows, "errors.png")         # relative error and SQNR per layer
 
@@ -17,9 +17,12 @@ shown in forward (execution) order. When a module runs several times in one
 step, its calls are pooled (histograms concatenate the values; statistics are
 combined: mean and std over all elements, norm as the norm of everything).
 
+Magnitudes (``absmax``, ``norm``, ``std``) are drawn on log scales, so one
+exploding layer (5e21) doesn't flatten the others (1) into one colour.
+
 Limits: values are plotted as float64 on the host (complex values by
 magnitude); NaN and Inf can't be drawn, so they are counted and marked in red
-instead.
+instead, and neither can 0 on a log scale (marked apart too).
 """
 
 from __future__ import annotations
@@ -27,17 +30,20 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES
 from ..capture.log import Log, Record
-from ._common import stats_of
+from ..capture.record import STAT_NAMES
+from ._layers import label, layers, pooled, steps_of  # also read as plots.pooled, plots.layers, ...
 
 __all__ = ["activation_histograms", "activation_heatmap", "gradient_flow_bars", "comparison_errors"]
 
-_GRAD_KINDS = ("grad_output", "grad_input", "param_grad")
 _SIGNED_STATS = ("mean", "min", "max")  # shown with a diverging colour map centred on zero
+_MAGNITUDE_STATS = ("absmax", "norm", "std")  # never negative: a log colour scale
+#: Statistics-only histograms switch from mean ± std bars to magnitudes on a log axis when the
+#: layers' absmax values span at least this many orders of magnitude.
+_DECADES = 3
 _DPI = 100
 
 
@@ -74,96 +80,11 @@ def _save(fig, path) -> Path:
 
 
 # --------------------------------------------------------------------------
-# Reading a log: layers, steps, pooled statistics (shared with report.py)
-
-
-def label(module: str, path: str = "") -> str:
-    """A layer's display name: ``module`` (``(root)`` for ``""``), plus ``/path`` inside nested values."""
-    name = module or "(root)"
-    return f"{name}/{path}" if path else name
+# Helpers
 
 
 def _short(text: str, width: int = 32) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1):]
-
-
-def forward_order(log: Log) -> dict[str, int]:
-    """Module name -> position of its first forward (non-gradient) record."""
-    order: dict[str, int] = {}
-    for rec in log.records:
-        if rec.kind not in _GRAD_KINDS:
-            order.setdefault(rec.module, len(order))
-    return order
-
-
-def layers(log: Log, kind: str, *, step: int | None = None) -> dict[str, list[Record]]:
-    """Tensor records of ``kind`` (at ``step`` if given), grouped by layer, in forward order.
-
-    Gradients arrive in backward order; they are put in the order of their
-    modules' forward records (modules only seen in backward come last, in
-    reverse order of arrival, which is forward order too).
-    """
-    groups: dict[str, list[Record]] = {}
-    first: dict[str, int] = {}
-    for i, rec in enumerate(log.records):
-        if rec.kind != kind or rec.shape is None or (step is not None and rec.step != step):
-            continue
-        key = label(rec.module, rec.path)
-        groups.setdefault(key, []).append(rec)
-        first.setdefault(key, i)
-    if kind in _GRAD_KINDS:
-        order = forward_order(log)
-        keyed = {k: (0, order[g[0].module], first[k]) if g[0].module in order else (1, -first[k], 0)
-                 for k, g in groups.items()}
-        groups = {k: groups[k] for k in sorted(groups, key=keyed.__getitem__)}
-    return groups
-
-
-def steps_of(log: Log, kind: str) -> list[int]:
-    """The steps at which ``kind`` was recorded, sorted."""
-    return sorted({r.step for r in log.records if r.kind == kind and r.shape is not None})
-
-
-def _numel(shape) -> int:
-    return math.prod(shape) if shape is not None else 0
-
-
-def pooled(records: Iterable[Record]) -> dict | None:
-    """The statistics of several records taken as one set of values (``None`` when none has statistics).
-
-    ``mean`` and ``std`` (population) are over all elements, ``norm`` is the
-    norm of all elements, ``min``/``max``/``absmax`` the extremes, ``nan``/``inf``
-    summed, ``zero_frac`` weighted by size; ``calls`` counts the records.
-    """
-    rows = [(s, _numel(r.shape)) for r in records if (s := stats_of(r)) is not None]
-    if not rows:
-        return None
-    if len(rows) == 1:
-        return {**rows[0][0], "calls": 1, "numel": rows[0][1]}
-    total = sum(n for _, n in rows)
-    weighted = lambda name: sum(s[name] * n for s, n in rows) / total if total else math.nan  # noqa: E731
-    mean = weighted("mean")
-    second = sum((s["std"] ** 2 + s["mean"] ** 2) * n for s, n in rows) / total if total else math.nan
-    var = second - mean * mean
-    return {
-        "shape": rows[-1][0].get("shape"),
-        "dtype": rows[-1][0].get("dtype"),
-        "mean": mean,
-        "std": math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.nan,
-        "min": _reduce(min, [s["min"] for s, _ in rows]),
-        "max": _reduce(max, [s["max"] for s, _ in rows]),
-        "absmax": _reduce(max, [s["absmax"] for s, _ in rows]),
-        "norm": math.sqrt(sum(s["norm"] ** 2 for s, _ in rows)),
-        "nan": sum(s["nan"] for s, _ in rows),
-        "inf": sum(s["inf"] for s, _ in rows),
-        "zero_frac": weighted("zero_frac"),
-        "calls": len(rows),
-        "numel": total,
-    }
-
-
-def _reduce(fn, values: list[float]) -> float:
-    return math.nan if any(math.isnan(v) for v in values) else fn(values)
 
 
 def _values(records: list[Record]):
@@ -263,15 +184,22 @@ def activation_histograms(log: Log, path: str | os.PathLike, *, kind: str = "out
     stats = [pooled(groups[n]) for n in names]
     fig = _figure(max(6.0, 0.45 * len(names) + 2.0), 4.8)
     ax = fig.subplots()
+    decades = _decades([s["absmax"] for s in stats if s])
+    if decades >= _DECADES:
+        _magnitude_bars(ax, names, stats)
+        ax.set_ylabel(f"|{kind}| (log scale)")
+        ax.set_title(f"{kind} magnitude per layer at step {step}, log scale\n(no tensors kept: record with "
+                     "mode='both' for histograms)", fontsize=10)
+        return _save(fig, path)
     means = [s["mean"] if s and math.isfinite(s["mean"]) else 0.0 for s in stats]
     stds = [s["std"] if s and math.isfinite(s["std"]) else 0.0 for s in stats]
     ax.bar(range(len(names)), means, yerr=stds, capsize=3, color="tab:blue", alpha=0.85, ecolor="black")
     ax.axhline(0, color="black", linewidth=0.6)
     _rotate_labels(ax, names)
     for i, s in enumerate(stats):
-        if s and (s["nan"] or s["inf"]):
+        if s and (s["n_nan"] or s["n_inf"]):
             ax.get_xticklabels()[i].set_color("red")
-            ax.text(i, 0, "NaN" if s["nan"] else "Inf", color="red", ha="center", va="bottom", fontsize=8)
+            ax.text(i, 0, "NaN" if s["n_nan"] else "Inf", color="red", ha="center", va="bottom", fontsize=8)
     ax.set_xlabel("layer (forward order)")
     ax.set_ylabel(f"{kind} mean ± std")
     ax.set_title(f"{kind} mean ± std per layer at step {step}\n(no tensors kept: record with mode='both' "
@@ -279,12 +207,52 @@ def activation_histograms(log: Log, path: str | os.PathLike, *, kind: str = "out
     return _save(fig, path)
 
 
-def activation_heatmap(log: Log, path: str | os.PathLike, *, stat: str = "mean", kind: str = "output") -> Path:
-    """A layers × steps heatmap of one statistic (``mean std min max absmax norm nan inf zero_frac``).
+def _decades(values) -> float:
+    """How many orders of magnitude the finite positive ``values`` span (0 for fewer than two)."""
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    return math.log10(max(positive) / min(positive)) if len(positive) > 1 else 0.0
 
-    Calls of a layer within one step are pooled. Grey cells: the layer wasn't
-    recorded at that step; red crosses: the statistic is NaN or Inf there.
-    Signed statistics (mean, min, max) use a diverging colour map centred on 0.
+
+def _magnitude_bars(ax, names: list[str], stats: list[dict | None]) -> None:
+    """Per layer on a log axis: a bar up to its absmax and a dot at its RMS (norm / sqrt(size)).
+
+    0 can't be drawn on a log axis and NaN/Inf not at all: such layers are labelled in red.
+    """
+    import numpy as np
+
+    absmax = np.array([s["absmax"] if s else np.nan for s in stats], dtype=float)
+    rms = np.array([s["norm"] / math.sqrt(s["numel"]) if s and s["numel"] else np.nan for s in stats], dtype=float)
+    x = np.arange(len(names))
+    bars, dots = np.isfinite(absmax) & (absmax > 0), np.isfinite(rms) & (rms > 0)
+    floor = float(np.concatenate([absmax[bars], rms[dots]]).min()) / 10
+    ax.bar(x[bars], absmax[bars], color="tab:blue", alpha=0.85, label="absmax")
+    ax.scatter(x[dots], rms[dots], color="black", s=14, zorder=3, label="RMS")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=floor)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.legend(fontsize=8, loc="best")
+    _rotate_labels(ax, names)
+    for i, s in enumerate(stats):
+        flag = "" if not s else "NaN" if s["n_nan"] else "Inf" if s["n_inf"] else "0" if s["absmax"] == 0 else ""
+        if flag:
+            ax.get_xticklabels()[i].set_color("red")
+            ax.text(i, 0.02, flag, color="red", ha="center", va="bottom", fontsize=8,
+                    transform=ax.get_xaxis_transform())
+    ax.set_xlabel("layer (forward order)")
+
+
+def activation_heatmap(log: Log, path: str | os.PathLike, *, stat: str = "absmax", kind: str = "output") -> Path:
+    """A layers × steps heatmap of one statistic (``mean std min max absmax norm n_nan n_inf zero_frac``).
+
+    The default, ``absmax`` (the largest magnitude in the layer's value), is the
+    magnitude that explodes first and, unlike ``norm``, doesn't grow with the
+    layer's size, so layers of different widths compare. Magnitudes (``absmax``,
+    ``norm``, ``std``) use a log colour scale (one layer at 5e21 leaves the
+    others at 1 their own colours); a cell whose magnitude is 0, which a log
+    scale can't place, is white. Signed statistics (``mean min max``) use a
+    diverging colour map centred on 0, the others a linear one. Calls of a
+    layer within one step are pooled. Grey cells: the layer wasn't recorded at
+    that step; red crosses: the statistic is NaN there, red triangles: ±Inf.
     """
     if stat not in STAT_NAMES:
         raise PicklehooksError(f"stat={stat!r}: use one of {', '.join(STAT_NAMES)}")
@@ -306,24 +274,46 @@ def activation_heatmap(log: Log, path: str | os.PathLike, *, stat: str = "mean",
             if p is not None:
                 grid[i, column[s]] = float(p[stat])
                 recorded[i, column[s]] = True
-    bad = recorded & ~np.isfinite(grid)
-    shown = np.ma.masked_invalid(grid)
+    finite = grid[np.isfinite(grid)]
+    positive = finite[finite > 0]
+    zero = np.zeros(grid.shape, dtype=bool)
     matplotlib = _matplotlib()
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Patch
+
     fig = _figure(min(max(6.0, 0.3 * len(steps) + 4.0), 22.0), min(max(3.2, 0.32 * len(names) + 1.8), 30.0))
     ax = fig.subplots()
-    finite = grid[np.isfinite(grid)]
+    scale = ""
     if stat in _SIGNED_STATS:
         cmap = matplotlib.colormaps["coolwarm"].with_extremes(bad="lightgrey")
         lim = float(np.abs(finite).max()) if finite.size else 1.0
         lim = lim or 1.0
-        image = ax.imshow(shown, aspect="auto", cmap=cmap, vmin=-lim, vmax=lim, interpolation="nearest")
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, vmin=-lim, vmax=lim,
+                          interpolation="nearest")
+    elif stat in _MAGNITUDE_STATS and positive.size:
+        low, high = float(positive.min()), float(positive.max())
+        zero = recorded & (grid == 0)
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey", under="white")
+        # Zeros go below the scale, to the "under" colour (LogNorm would mask them, as grey).
+        shown = np.ma.masked_invalid(np.where(zero, low / 10, grid))
+        norm = LogNorm(vmin=low, vmax=high if high > low else low * 10)
+        image = ax.imshow(shown, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+        scale = ", log scale"
     else:
         cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-        image = ax.imshow(shown, aspect="auto", cmap=cmap, interpolation="nearest")
-    if bad.any():
-        rows, cols = np.nonzero(bad)
-        ax.scatter(cols, rows, marker="x", color="red", s=40, linewidths=1.5, label="NaN / Inf")
-        ax.legend(loc="upper right", fontsize=8, bbox_to_anchor=(1.0, 1.12), frameon=False)
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, interpolation="nearest")
+    handles = []
+    for marker, cells, what in (("x", recorded & np.isnan(grid), "NaN"), ("^", recorded & np.isinf(grid), "±Inf")):
+        if cells.any():
+            rows, cols = np.nonzero(cells)
+            handles.append(ax.scatter(cols, rows, marker=marker, color="red", s=40, linewidths=1.5, label=what))
+    if zero.any():
+        handles.append(Patch(facecolor="white", edgecolor="black", label="0"))
+    if (~recorded).any():
+        handles.append(Patch(facecolor="lightgrey", label="not recorded"))
+    if handles:  # above the axes, under the title (a suptitle: constrained layout makes room for both)
+        ax.legend(handles=handles, loc="lower right", fontsize=8, bbox_to_anchor=(1.0, 1.0), frameon=False,
+                  ncols=len(handles), borderaxespad=0.2)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([_short(n) for n in names], fontsize=8)
     every = max(1, math.ceil(len(steps) / 25))
@@ -332,8 +322,8 @@ def activation_heatmap(log: Log, path: str | os.PathLike, *, stat: str = "mean",
                        rotation_mode="anchor", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("layer (forward order)")
-    ax.set_title(f"{stat} of {kind} per layer and step", fontsize=11)
-    fig.colorbar(image, ax=ax, label=f"{stat} of {kind}")
+    fig.suptitle(f"{stat} of {kind} per layer and step{scale}", fontsize=11)
+    fig.colorbar(image, ax=ax, label=f"{stat} of {kind}{scale}", extend="min" if zero.any() else "neither")
     return _save(fig, path)
 
 

@@ -12,13 +12,15 @@ writes ``report.md`` with
 * the first non-finite value in execution order (the record where a NaN or
   Inf first appeared, usually the layer to look at) and every record holding one;
 * per-layer statistics of the outputs at the last step (mean, std, absmax,
-  NaN and Inf counts, fraction of zeros);
+  NaN and Inf counts ``n_nan``/``n_inf``, fraction of zeros);
 * gradient flow (``grad_output`` norms per layer: last step, median, min,
   max over steps) and parameter-gradient norms, when the log has them;
 
 and the figures of :mod:`picklehooks.diagnostics.plots` that apply:
-activation histograms (or mean ± std bars) and gradient flow bars, and a
-heatmap of output means over steps when the log spans several steps.
+activation histograms (or bars of statistics: mean ± std, or magnitudes on a
+log scale when layers are orders of magnitude apart) and gradient flow bars,
+and a heatmap of output magnitudes (absmax, log colour scale) over steps when
+the log spans several steps.
 Without matplotlib (``pip install 'picklehooks[plots]'``) the report is
 written without figures and says so.
 
@@ -38,7 +40,7 @@ from .._shim import PicklehooksError
 from ..capture.log import Log, Record
 from ._common import stats_of
 from .nonfinite import first_nonfinite
-from .plots import label, layers, pooled, steps_of
+from ._layers import label, layers, pooled, steps_of
 
 __all__ = ["write_report", "main"]
 
@@ -81,9 +83,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _nonfinite(rec: Record) -> tuple[int, int] | None:
     stats = stats_of(rec)
-    if stats is None or not (stats["nan"] or stats["inf"]):
+    if stats is None or not (stats["n_nan"] or stats["n_inf"]):
         return None
-    return int(stats["nan"]), int(stats["inf"])
+    return int(stats["n_nan"]), int(stats["n_inf"])
 
 
 def _where(rec: Record) -> str:
@@ -118,7 +120,7 @@ def _nonfinite_section(log: Log) -> list[str]:
               + (f"; the first {MAX_NONFINITE_ROWS}:" if len(found) > MAX_NONFINITE_ROWS else ":"), ""]
     rows = [[str(i), _cell(label(r.module)), r.kind, _cell(r.path), str(r.call), str(r.step), str(n), str(f)]
             for i, r, (n, f) in found[:MAX_NONFINITE_ROWS]]
-    return lines + _table(["record", "module", "kind", "path", "call", "step", "nan", "inf"], rows) + [""]
+    return lines + _table(["record", "module", "kind", "path", "call", "step", "n_nan", "n_inf"], rows) + [""]
 
 
 def _outputs_section(log: Log) -> list[str]:
@@ -133,8 +135,8 @@ def _outputs_section(log: Log) -> list[str]:
             rows.append([_cell(name), _cell(str(tuple(recs[-1].shape))), str(len(recs))] + [""] * 6)
             continue
         rows.append([_cell(name), _cell(str(tuple(recs[-1].shape))), str(s["calls"])]
-                    + [_fmt(s[k]) for k in ("mean", "std", "absmax", "nan", "inf", "zero_frac")])
-    header = ["layer", "shape", "calls", "mean", "std", "absmax", "nan", "inf", "zero_frac"]
+                    + [_fmt(s[k]) for k in ("mean", "std", "absmax", "n_nan", "n_inf", "zero_frac")])
+    header = ["layer", "shape", "calls", "mean", "std", "absmax", "n_nan", "n_inf", "zero_frac"]
     span = f" (of steps {steps[0]}–{steps[-1]})" if len(steps) > 1 else ""
     return [f"## Outputs at step {step}{span}", ""] + _table(header, rows) + [""]
 
@@ -153,11 +155,11 @@ def _gradient_section(log: Log) -> list[str]:
         norms = sorted(p["norm"] for p in per_step.values())
         finite = [n for n in norms if math.isfinite(n)]
         median = _median(finite) if finite else math.nan
-        bad = sum(p["nan"] + p["inf"] for p in per_step.values())
+        bad = sum(p["n_nan"] + p["n_inf"] for p in per_step.values())
         rows.append([_cell(name), _fmt(per_step[last]["norm"]) if last in per_step else "", _fmt(median),
                      _fmt(min(finite)) if finite else "", _fmt(max(finite)) if finite else "",
                      str(len(per_step)), str(bad)])
-    header = ["layer", f"norm at step {last}", "median", "min", "max", "steps", "nan+inf"]
+    header = ["layer", f"norm at step {last}", "median", "min", "max", "steps", "n_nan+n_inf"]
     lines = ["## Gradient flow (grad_output)", "",
              "L2 norm of the gradient reaching each layer's output, forward order; median, min and max over "
              "steps (finite values). Norms shrinking by orders of magnitude towards the first layers "
@@ -174,10 +176,10 @@ def _param_grad_section(log: Log) -> list[str]:
     for recs in layers(log, "param_grad", step=step).values():  # forward order of their modules
         s = stats_of(recs[-1]) or {}  # .grad accumulates: its latest value is the step's
         rows.append([_cell(label(recs[0].module)), _cell(recs[0].path), _fmt(s.get("norm")), _fmt(s.get("absmax")),
-                     _fmt(s.get("nan")), _fmt(s.get("inf"))])
+                     _fmt(s.get("n_nan")), _fmt(s.get("n_inf"))])
     return ([f"## Parameter gradients at step {step}", "",
              "Each parameter's accumulated `.grad` after the step's last backward pass.", ""]
-            + _table(["module", "parameter", "norm", "absmax", "nan", "inf"], rows) + [""])
+            + _table(["module", "parameter", "norm", "absmax", "n_nan", "n_inf"], rows) + [""])
 
 
 def _median(values: list[float]) -> float:
@@ -200,7 +202,8 @@ def _figures(log: Log, out: Path) -> tuple[list[Path], list[str]]:
                          f"Output values per layer at step {bad_step} (first non-finite output)",
                          lambda log, path: plots.activation_histograms(log, path, step=bad_step)))
         if len(steps_of(log, "output")) > 1:
-            jobs.append(("activation_heatmap.png", "Output mean per layer and step", plots.activation_heatmap))
+            jobs.append(("activation_heatmap.png", "Output magnitude (absmax, log scale) per layer and step",
+                         plots.activation_heatmap))
     if steps_of(log, "grad_output"):
         jobs.append(("gradient_flow.png", "Gradient flow", plots.gradient_flow_bars))
     if not jobs:

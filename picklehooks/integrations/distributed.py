@@ -130,7 +130,7 @@ def _merge_shards(rows: list[dict], tensors: list, layouts: list) -> set:
             continue
         parts = [(math.prod(layouts[i].local), rows[i]) for i in distinct.values()]
         merged = {"shape": list(first.shape)}
-        if all(row.get("nan") is not None for _, row in parts):
+        if all(row.get("n_nan") is not None for _, row in parts):
             merged.update(_merge_stats(parts))
         whole = _assemble([(layouts[i], tensors[i]) for i in distinct.values()], first.shape)
         for i in members:
@@ -156,11 +156,11 @@ def _merge_stats(parts: list[tuple[int, dict]]) -> dict:
     n = sum(k for k, _ in parts)
     if not n:
         return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "absmax": math.nan,
-                "norm": math.nan, "nan": 0, "inf": 0, "zero_frac": math.nan}
-    nan = sum(int(row["nan"]) for _, row in parts)
-    inf = sum(int(row["inf"]) for _, row in parts)
+                "norm": math.nan, "n_nan": 0, "n_inf": 0, "zero_frac": math.nan}
+    nan = sum(int(row["n_nan"]) for _, row in parts)
+    inf = sum(int(row["n_inf"]) for _, row in parts)
     zeros = sum(round(row["zero_frac"] * k) for k, row in parts)
-    out = {"nan": nan, "inf": inf, "zero_frac": zeros / n}
+    out = {"n_nan": nan, "n_inf": inf, "zero_frac": zeros / n}
     if nan:
         return {**out, **dict.fromkeys(("mean", "std", "min", "max", "absmax", "norm"), math.nan)}
     absmax = max(float(row["absmax"]) for _, row in parts)

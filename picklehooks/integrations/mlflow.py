@@ -67,17 +67,19 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import sys
 import time
+import warnings
 from typing import Any, Iterable
 
 from .._shim import PicklehooksError
-from .._stats import STAT_NAMES
+from ..capture.record import RENAMED_STATS, STAT_NAMES
 from .tensorboard import tags
 
 __all__ = ["log_metrics", "metrics", "pip_requirements", "signature", "STATS"]
 
 #: The statistics :func:`log_metrics` logs for each record unless told otherwise, in order.
-STATS = ("mean", "std", "absmax", "norm", "nan", "inf", "zero_frac")
+STATS = ("mean", "std", "absmax", "norm", "n_nan", "n_inf", "zero_frac")
 #: ``MlflowClient.log_batch`` takes at most this many metrics per request.
 _BATCH = 1000
 #: MLflow's longest metric key.
@@ -108,10 +110,24 @@ def _key_part(segment: str) -> str:
     return "_" * max(len(segment), 1) if not segment.strip(".") else segment
 
 
+def _outside() -> int:
+    """The ``stacklevel`` of the caller's first frame outside picklehooks: the user's line, where
+    Python's default filters show a ``DeprecationWarning`` (code in ``__main__``)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "picklehooks":
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _check_stats(stats: Iterable[str]) -> tuple[str, ...]:
     if isinstance(stats, str):
         stats = (stats,)
     stats = tuple(stats)
+    old = [s for s in stats if s in RENAMED_STATS]
+    if old:
+        warnings.warn(f"stats={stats!r}: {', '.join(f'{s!r} is now {RENAMED_STATS[s]!r}' for s in old)}; "
+                      "the old names go away in the next release", DeprecationWarning, stacklevel=_outside())
+        stats = tuple(RENAMED_STATS.get(s, s) for s in stats)
     unknown = [s for s in stats if s not in STAT_NAMES]
     if unknown or not stats:
         raise PicklehooksError(f"stats={stats!r}: choose among {', '.join(STAT_NAMES)}")

@@ -5,7 +5,7 @@ For each record with statistics, :func:`write` adds four scalars::
     picklehooks/<module>/<kind>[/<path>][/call<k>]/mean
                                                   /std
                                                   /norm
-                                                  /nan     (the count of NaN elements)
+                                                  /n_nan   (the count of NaN elements)
 
 and, for each record that kept its tensor (``instrument(..., mode="tensor")``
 or ``"both"``), a histogram of the tensor's values tagged
@@ -30,7 +30,7 @@ Limits:
   about seven significant digits, and NaN ``mean``/``std``/``norm`` (a
   tensor holding NaN) are written as NaN, which TensorBoard plots as gaps.
 * Histograms count the finite values only (``np.histogram`` rejects NaN and
-  infinity; the ``nan`` scalar still reports them); a tensor with no finite
+  infinity; the ``n_nan`` scalar still reports NaN); a tensor with no finite
   value, or no value at all, gets no histogram. Complex tensors are
   histogrammed by magnitude, as their statistics are. TensorBoard's own
   buckets span about ±1e20; a tensor with a finite value beyond them gets
@@ -52,7 +52,7 @@ from .._shim import PicklehooksError
 __all__ = ["write", "SCALARS", "tags"]
 
 #: The statistics written as scalars for each record, in order.
-SCALARS = ("mean", "std", "norm", "nan")
+SCALARS = ("mean", "std", "norm", "n_nan")
 #: Equal-width buckets for histograms whose values lie beyond ``SummaryWriter.default_bins``.
 _WIDE_BINS = 64
 _INSTALL = "pip install 'picklehooks[tensorboard]'"
@@ -74,7 +74,7 @@ def tags(log, step: int | None = None) -> list[tuple[Any, str, int]]:
     """``(record, tag prefix, step)`` for every record of ``log`` that :func:`write` would write.
 
     The tag prefix is the histogram tag; the scalars' tags add
-    ``/mean``, ``/std``, ``/norm`` and ``/nan`` to it.
+    ``/mean``, ``/std``, ``/norm`` and ``/n_nan`` to it.
     """
     ranks = {r.rank for r in log.records}
     several_ranks = len(ranks) > 1

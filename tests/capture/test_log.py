@@ -97,7 +97,7 @@ class TestStats:
                 assert rec.stats[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), (rec.key, name)
             assert rec.stats["shape"] == tuple(rec.tensor.shape) == rec.shape
             assert rec.stats["dtype"] == "float32" == rec.dtype
-            assert isinstance(rec.stats["nan"], int) and isinstance(rec.stats["inf"], int)
+            assert isinstance(rec.stats["n_nan"], int) and isinstance(rec.stats["n_inf"], int)
 
     def test_float64_stats_are_exact(self):
         """float64 tensors are reduced in float64: statistics agree with torch to 1e-12."""
@@ -340,11 +340,11 @@ class TestNonFinite:
         with picklehooks.record() as log:
             model(inputs(shape=(5, 8)))
         planted = log.find(module="1", kind="output")[0]
-        assert planted.stats["nan"] == len(PlantNonFinite.NAN_AT)
-        assert planted.stats["inf"] == len(PlantNonFinite.INF_AT) + len(PlantNonFinite.NEG_INF_AT)
-        assert planted.stats["nan"] == int(torch.isnan(planted.tensor).sum())
+        assert planted.stats["n_nan"] == len(PlantNonFinite.NAN_AT)
+        assert planted.stats["n_inf"] == len(PlantNonFinite.INF_AT) + len(PlantNonFinite.NEG_INF_AT)
+        assert planted.stats["n_nan"] == int(torch.isnan(planted.tensor).sum())
         clean = log.find(module="0", kind="output")[0]
-        assert clean.stats["nan"] == 0 and clean.stats["inf"] == 0
+        assert clean.stats["n_nan"] == 0 and clean.stats["n_inf"] == 0
 
     def test_counts_without_tensor(self):
         """Counts are exact in mode='stats' too, where no tensor is kept."""
@@ -353,7 +353,7 @@ class TestNonFinite:
         with picklehooks.record() as log:
             model(torch.ones(5, 8))
         stats = log.records[0].stats
-        assert (stats["nan"], stats["inf"]) == (3, 3)
+        assert (stats["n_nan"], stats["n_inf"]) == (3, 3)
         assert stats["zero_frac"] == 0.0
 
 
@@ -368,7 +368,7 @@ class TestEmptyTensor:
             model(torch.randn(2, 4))
         stats = [r.stats for r in log.records]
         assert all(s is not None for s in stats)
-        assert stats[0]["nan"] == stats[0]["inf"] == 0 and math.isnan(stats[0]["mean"])
+        assert stats[0]["n_nan"] == stats[0]["n_inf"] == 0 and math.isnan(stats[0]["mean"])
         assert stats[0]["shape"] == (0, 4)
         assert not math.isnan(stats[2]["mean"])
 
@@ -635,7 +635,7 @@ class TestTable:
             assert list(row) == TABLE_KEYS
             assert (row["module"], row["kind"], row["path"], row["call"]) == rec.key
             assert row["shape"] == list(rec.shape)
-            assert row["mean"] == rec.stats["mean"] and row["nan"] == rec.stats["nan"]
+            assert row["mean"] == rec.stats["mean"] and row["n_nan"] == rec.stats["n_nan"]
 
     def test_table_without_stats(self):
         """Rows of tensor-only records have None statistics."""
@@ -719,7 +719,7 @@ class TestSaveLoad:
             assert a.keys() == b.keys()
             assert all(same_float(a[k], b[k]) for k in a), (a, b)
         assert loaded.find(module="1", path="1")[0].value == "3"
-        assert loaded.records[0].stats["nan"] == 3
+        assert loaded.records[0].stats["n_nan"] == 3
 
     def test_save_params_twice(self, tmp_path):
         """A log holding the same parameter at two steps saves and loads (each record its own value)."""

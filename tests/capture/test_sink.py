@@ -72,7 +72,7 @@ def torch_stats(t: torch.Tensor) -> dict:
     v = t.detach().to(torch.float64)
     return {"mean": v.mean().item(), "std": v.std(correction=0).item(), "min": v.min().item(),
             "max": v.max().item(), "absmax": v.abs().max().item(), "norm": torch.linalg.vector_norm(v).item(),
-            "nan": int(torch.isnan(v).sum()), "inf": int(torch.isinf(v).sum()),
+            "n_nan": int(torch.isnan(v).sum()), "n_inf": int(torch.isinf(v).sum()),
             "zero_frac": (v == 0).sum().item() / v.numel()}
 
 
@@ -128,7 +128,7 @@ class TestRoundTrip:
         recorded(sink, flush_rows=1)
         table = pq.read_table(sink)
         assert table.schema.field("shape").type == pa.list_(pa.int64())
-        assert table.schema.field("nan").type == table.schema.field("inf").type == pa.int64()
+        assert table.schema.field("n_nan").type == table.schema.field("n_inf").type == pa.int64()
         assert table.schema.field("mean").type == pa.float64()
         assert table.num_rows == len(recorded())
         assert table.column("tensor_file").null_count == table.num_rows  # stats mode: no tensors
@@ -143,7 +143,7 @@ class TestRoundTrip:
         assert got["module"].tolist() == want["module"].tolist()
         assert got["step"].tolist() == want["step"].tolist()
         assert got["mean"].tolist() == want["mean"].tolist()
-        assert got["nan"].tolist() == want["nan"].tolist() == [0] * len(want)
+        assert got["n_nan"].tolist() == want["n_nan"].tolist() == [0] * len(want)
 
     def test_polars_reads_the_parts(self, sink):
         """polars reads the parts through a glob, with the same values."""
@@ -181,7 +181,7 @@ class TestRoundTrip:
                        for k in a), (a, b)
         assert loaded.find(module="1", path="1")[0].value == "3"
         stats = loaded.records[0].stats
-        assert (stats["nan"], stats["inf"]) == (3, 3) and isinstance(stats["nan"], int)
+        assert (stats["n_nan"], stats["n_inf"]) == (3, 3) and isinstance(stats["n_nan"], int)
 
     def test_empty_run(self, sink):
         """A run that records nothing leaves a sink that loads as an empty log."""

@@ -65,8 +65,8 @@ def reference(t: torch.Tensor) -> dict:
         "max": v.max().item(),
         "absmax": v.abs().max().item(),
         "norm": unscale(torch.linalg.vector_norm(w).item()),
-        "nan": int(torch.isnan(v).sum()),
-        "inf": int(torch.isinf(v).sum()),
+        "n_nan": int(torch.isnan(v).sum()),
+        "n_inf": int(torch.isinf(v).sum()),
         "zero_frac": (v == 0).sum().item() / v.numel(),
     }
 
@@ -127,4 +127,4 @@ class TestLargeFiniteValues:
             assert torch.isfinite(tensor).all()
             names = [n for n in STAT_NAMES if not (n == "norm" and math.isinf(reference(tensor)["norm"]))]
             assert all(math.isfinite(stats[n]) for n in names), (call, stats)
-            assert stats["nan"] == 0 and stats["inf"] == 0
+            assert stats["n_nan"] == 0 and stats["n_inf"] == 0

@@ -22,6 +22,16 @@ from tests.testutils import REPO, plain_stats, run_fresh
 FROZEN = REPO / "tests" / "data" / "frozen_v2"  # wherever this file moves
 CONTRACT = json.loads((FROZEN / "wire_contract.json").read_text())
 
+#: ``Record.stats`` keys renamed on the reading side since the freeze (issue #28, docs/contract.md):
+#: old name -> new. Not wire: the kernels still compute the statistics in the frozen order, under
+#: the frozen names (``picklehooks._stats.STAT_NAMES``); only the names records show changed.
+RENAMED_STATS = {"nan": "n_nan", "inf": "n_inf"}
+
+
+def _now(names) -> list[str]:
+    """Frozen statistic names as records name them now: renamed, same order, none dropped or added."""
+    return [RENAMED_STATS.get(name, name) for name in names]
+
 
 #: Recorded in program order (the hooks run in it; graphs keep the ops in it as ordered effects).
 FORWARD_KINDS = ("input", "output", "param", "buffer")
@@ -81,8 +91,10 @@ def test_frozen_artifact_records_what_it_recorded_then(which, expected, recorded
         w = frozen[tuple(r["key"])]
         assert (r["step"], tuple(r["shape"]), r["dtype"], r["value"]) == \
             (w["step"], tuple(w["shape"]), w["dtype"], w["value"]), r["key"]
-        assert list(r["stats"]) == expected["stat_names"], r["key"]
-        assert r["stats"] == pytest.approx(w["stats"], rel=1e-5, abs=1e-6), r["key"]
+        assert list(r["stats"]) == _now(expected["stat_names"]), r["key"]
+        assert list(w["stats"]) == expected["stat_names"], r["key"]  # the frozen records say so too
+        frozen_stats = dict(zip(_now(w["stats"]), w["stats"].values()))
+        assert r["stats"] == pytest.approx(frozen_stats, rel=1e-5, abs=1e-6), r["key"]
 
 
 @pytest.mark.parametrize("which", list(LOADERS))
@@ -229,6 +241,17 @@ def test_contract_surface_is_unchanged(surface, surfaces):
     """Everything frozen of this surface is still there, unchanged, under its name (new entries may be added)."""
     assert surfaces["checked"].get(surface, 0) > 0, f"nothing of {surface} was checked"
     assert not surfaces["problems"].get(surface), "\n".join(surfaces["problems"][surface])
+
+
+def test_statistics_are_the_frozen_ones_renamed():
+    """The kernels' statistics are the frozen ones in the frozen order (wire); records name them
+    by the documented renaming only."""
+    import picklehooks.capture.record as record
+    from picklehooks import _stats
+
+    assert list(_stats.STAT_NAMES) == CONTRACT["stat_names"]
+    assert list(record.STAT_NAMES) == _now(CONTRACT["stat_names"])
+    assert record.RENAMED_STATS == RENAMED_STATS
 
 
 def test_contract_names_what_the_artifacts_use():

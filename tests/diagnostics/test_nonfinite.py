@@ -24,14 +24,14 @@ def test_finds_the_planted_fault(fault, position, want):
     model = mlp_with(fault(), position)
     report = find_nonfinite(model, X, loss_fn=LOSS)
     assert (report.module, report.kind, report.phase) == want
-    assert report.stats["nan"] + report.stats["inf"] > 0
-    assert [row["nan"] + row["inf"] for row in report.inputs] == [0]  # its input was finite
+    assert report.stats["n_nan"] + report.stats["n_inf"] > 0
+    assert [row["n_nan"] + row["n_inf"] for row in report.inputs] == [0]  # its input was finite
     assert not any(hasattr(m, "_picklehooks_name") or m._forward_hooks for m in model.modules())  # cleaned up
 
 
 def test_inf_is_counted_as_inf():
     report = find_nonfinite(mlp_with(ExpOverflow(), 1), X)
-    assert report.stats["inf"] == report.stats["shape"][0] * report.stats["shape"][1] and report.stats["nan"] == 0
+    assert report.stats["n_inf"] == report.stats["shape"][0] * report.stats["shape"][1] and report.stats["n_nan"] == 0
 
 
 def test_backward_fault_is_invisible_without_a_loss():
@@ -47,7 +47,7 @@ def test_nonfinite_model_input():
     x = X.clone()
     x[1, 2] = float("nan")
     report = find_nonfinite(mlp_with(torch.nn.Identity(), 0), x)
-    assert (report.module, report.kind, report.stats["nan"]) == ("0", "input", 1)
+    assert (report.module, report.kind, report.stats["n_nan"]) == ("0", "input", 1)
     assert "model's input" in report.note
 
 
@@ -63,7 +63,7 @@ def test_scripted_model_gives_the_same_answer(fault, position, want):
     eager = find_nonfinite(model, X, loss_fn=LOSS)
     scripted = find_nonfinite(torch.jit.script(model), X, loss_fn=LOSS)
     assert (scripted.module, scripted.kind) == (eager.module, eager.kind) == (want, "output")
-    assert [scripted.stats[k] for k in ("shape", "nan", "inf")] == [eager.stats[k] for k in ("shape", "nan", "inf")]
+    assert [scripted.stats[k] for k in ("shape", "n_nan", "n_inf")] == [eager.stats[k] for k in ("shape", "n_nan", "n_inf")]
 
 
 def test_scripted_backward_fault_through_the_tap_op():
@@ -113,12 +113,14 @@ def test_compiled_and_exported_models():
 
 
 def test_a_model_guarded_with_on_nonfinite_raise():
-    """The guard stops the model; records made before it locate a backward fault, else its error names the module."""
+    """The guard stops the model; the records, the guard's own included, locate the fault."""
     guarded = mlp_with(NaNGrad(), 3)
     picklehooks.instrument(guarded, capture=GRAD_KINDS, on_nonfinite="raise")
     report = find_nonfinite(guarded, X, loss_fn=LOSS)
     assert (report.module, report.kind) == ("3", "grad_input")
     guarded = mlp_with(MulNaN(), 2)
     picklehooks.instrument(guarded, capture=GRAD_KINDS, on_nonfinite="raise")
+    report = find_nonfinite(guarded, X)  # the guard records the value it stops at
+    assert (report.module, report.kind) == ("2", "output")
     with pytest.raises(picklehooks.PicklehooksError, match="module '2'"):
-        find_nonfinite(guarded, X)
+        guarded(X)  # outside record(): the guard's error names the module

@@ -60,6 +60,49 @@ def record_log(mode: str = "both", steps: int = 3) -> picklehooks.Log:
     return log
 
 
+#: Output scales of the branches of ScaledFan: one exploding, one zero, the others near 1.
+SCALES = (1.0, 5e21, 3.0, 0.2, 0.0)
+
+
+class ScaledFan(nn.Module):
+    """Its input times each of SCALES, one branch module each."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(Scale(k) for k in SCALES)
+
+    def forward(self, x):
+        return [branch(x) for branch in self.branches]
+
+
+class Scale(nn.Module):
+    def __init__(self, k: float):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+
+def record_scaled(mode: str, steps: int = 3) -> picklehooks.Log:
+    """ScaledFan over ``steps`` steps, NaN input at NAN_STEP."""
+    model = ScaledFan()
+    with picklehooks.instrument(model, capture="output", mode=mode), picklehooks.record() as log:
+        for step in range(steps):
+            x = torch.linspace(-1, 1, 8) * (1 + step / 10)
+            model(torch.full_like(x, math.nan) if step == NAN_STEP else x)
+            log.next_step()
+    return log
+
+
+def keep_figures(monkeypatch) -> list:
+    """Make plots keep each figure it saves (in the returned list), to read its images and axes."""
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save(fig, path))
+    return figures
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-m", "picklehooks", *args], capture_output=True, text=True, cwd=REPO,
@@ -176,6 +219,47 @@ class TestPlots:
             plots.activation_heatmap(log, tmp_path / "m.png", stat="median")
         with pytest.raises(picklehooks.PicklehooksError, match="lack sqnr_db"):
             plots.comparison_errors([{"module": "a", "rel_error": 0.1}], tmp_path / "c.png")
+
+    def test_heatmap_of_an_exploding_layer_keeps_the_others_apart(self, tmp_path, monkeypatch):
+        """One layer at 5e21, others near 1: absmax on a log colour scale gives each its own colour;
+        a zero layer is the "under" colour, a NaN step is marked; signed means stay linear."""
+        from matplotlib.colors import LogNorm
+
+        log = record_scaled(mode="stats")
+        figures = keep_figures(monkeypatch)
+        plots.activation_heatmap(log, tmp_path / "heat.png")
+        ax = figures[-1].axes[0]
+        image = ax.images[0]
+        assert isinstance(image.norm, LogNorm)
+        names = [t.get_text() for t in ax.get_yticklabels()]
+        assert names == [f"branches.{i}" for i in range(len(SCALES))]
+        grid = image.get_array()
+        colours = image.cmap(image.norm(grid))
+        finite = [j for j in range(grid.shape[1]) if j != NAN_STEP]
+        assert len(finite) == 2
+        cells = {scale: {tuple(colours[i, j]) for j in finite} for i, scale in enumerate(SCALES)}
+        for a in SCALES:
+            for b in SCALES:
+                assert a == b or not cells[a] & cells[b], (a, b)
+        assert cells[0.0] == {tuple(image.cmap.get_under())} != {tuple(image.cmap.get_bad())}
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["NaN", "0"]
+        assert sorted({int(x) for x, _ in ax.collections[0].get_offsets()}) == [NAN_STEP]
+        plots.activation_heatmap(log, tmp_path / "mean.png", stat="mean")
+        assert not isinstance(figures[-1].axes[0].images[0].norm, LogNorm)
+
+    def test_bars_of_an_exploding_layer_are_magnitudes_on_a_log_axis(self, tmp_path, monkeypatch):
+        """Without kept tensors: absmax bars on a log axis when layers are orders of magnitude apart,
+        mean ± std bars on a linear one when they aren't."""
+        figures = keep_figures(monkeypatch)
+        log = record_scaled(mode="stats")
+        plots.activation_histograms(log, tmp_path / "bars.png", step=0)
+        ax = figures[-1].axes[0]
+        assert ax.get_yscale() == "log"
+        absmax = [plots.pooled(g)["absmax"] for g in plots.layers(log, "output", step=0).values()]
+        assert [p.get_height() for p in ax.patches] == pytest.approx([a for a in absmax if a > 0])
+        assert max(absmax) > 1e21 and min(a for a in absmax if a > 0) < 1
+        plots.activation_histograms(record_log(mode="stats"), tmp_path / "plain.png")
+        assert figures[-1].axes[0].get_yscale() == "linear"
 
     def test_pooled_statistics_of_several_calls(self):
         """Two calls pooled: mean, std and norm equal those of the concatenated values."""

@@ -72,7 +72,9 @@ def test_stats_only_instrumentation_is_refused():
 
 
 def test_bad_batches():
-    with pytest.raises(picklehooks.PicklehooksError, match="tuple"):
-        dead_units(dead_relu(1), [torch.zeros(2, 8)])
+    with pytest.raises(picklehooks.PicklehooksError, match="batch 0 is a str .*tuple.*dict.*single tensor"):
+        dead_units(dead_relu(1), ["x"])
+    with pytest.raises(picklehooks.PicklehooksError, match="iterable of batches, got one Tensor"):
+        dead_units(dead_relu(1), torch.zeros(2, 8))
     with pytest.raises(picklehooks.PicklehooksError, match="no batches"):
         dead_units(dead_relu(1), [])

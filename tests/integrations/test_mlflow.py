@@ -266,10 +266,10 @@ class TestLogMetrics:
         log = recorded()
         run_id = mlflow.MlflowClient().create_run(experiment).info.run_id
         assert mlflow.active_run() is None
-        written = phm.log_metrics(log, step=7, run_id=run_id, stats=("max", "nan"))
+        written = phm.log_metrics(log, step=7, run_id=run_id, stats=("max", "n_nan"))
         assert written == 2 * len(log.records)
         keys = logged_keys(run_id)
-        assert {k.rsplit("/", 1)[1] for k in keys} == {"max", "nan"}
+        assert {k.rsplit("/", 1)[1] for k in keys} == {"max", "n_nan"}
         assert {s for k in keys for s, _ in history(run_id, k)} == {7}
         # step 0's one call and step 1's two calls all land at step 7: calls 0, 1 and 2
         assert "picklehooks/2/grad_output/call2/max" in keys
@@ -312,11 +312,11 @@ class TestLogMetrics:
             phm.log_metrics(log, stats=STAT_NAMES)
         value = {tuple(k.split("/")[-2:]): history(run.info.run_id, k)[0][1] for k in logged_keys(run.info.run_id)}
         assert all(math.isnan(value["0", s]) for s in ("mean", "std", "min", "max", "absmax", "norm"))
-        assert (value["0", "nan"], value["0", "inf"]) == (1.0, 0.0)
+        assert (value["0", "n_nan"], value["0", "n_inf"]) == (1.0, 0.0)
         assert value["1", "absmax"] == value["1", "max"] == value["1", "norm"] == sys.float_info.max
         assert value["1", "min"] == -sys.float_info.max
         assert math.isnan(value["1", "mean"])  # inf - inf
-        assert (value["1", "nan"], value["1", "inf"]) == (0.0, 2.0)
+        assert (value["1", "n_nan"], value["1", "n_inf"]) == (0.0, 2.0)
 
     def test_keys_mlflow_refuses_are_sanitised(self, experiment):
         """(root), ':' and '(' become '_'; '.'/'' path segments become underscores; MLflow accepts every key."""

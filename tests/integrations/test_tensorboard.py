@@ -24,7 +24,7 @@ from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 import picklehooks  # noqa: E402
 from picklehooks.integrations import tensorboard as pt  # noqa: E402
 
-STATS = ("mean", "std", "norm", "nan")
+STATS = ("mean", "std", "norm", "n_nan")
 
 
 def mlp() -> nn.Sequential:
@@ -112,7 +112,7 @@ class TestScalars:
         with picklehooks.instrument(model, capture="output", mode="both"), picklehooks.record() as log:
             model(batch(4))
         _, events = write_and_read(log, tmp_path)
-        assert [p.value for p in events.Scalars("picklehooks/0/output/nan")] == [1.0]
+        assert [p.value for p in events.Scalars("picklehooks/0/output/n_nan")] == [1.0]
         assert math.isnan(events.Scalars("picklehooks/0/output/mean")[0].value)
         hist = events.Histograms("picklehooks/0/output")[0].histogram_value
         assert hist.num == 5 * 4 - 2

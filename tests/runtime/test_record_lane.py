@@ -133,8 +133,8 @@ def test_handled_values_give_the_python_paths_rows(monkeypatch, name, grad, kind
         got = [stats[name] for name in ("mean", "std", "min", "max")]
         assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     else:
-        assert math.isnan(stats["mean"]) and stats["nan"] == torch.isnan(ref).sum().item()
-        assert stats["inf"] == torch.isinf(ref).sum().item()
+        assert math.isnan(stats["mean"]) and stats["n_nan"] == torch.isnan(ref).sum().item()
+        assert stats["n_inf"] == torch.isinf(ref).sum().item()
 
 
 # Statistics decline all of these; a copy declines only what isn't a strided tensor of a plain type.
