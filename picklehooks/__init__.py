@@ -38,6 +38,7 @@ from ._ops import NonfiniteError
 from .serialize import codec
 from .capture.instrument import Instrumentation, instrument
 from .capture.log import Log, Record, record
+from .capture.hookfile import load_hooks, save_hooks
 from .serialize.portable import is_portable, portable
 from .audit.weights_only import safe_globals
 from .diagnostics import compare, find_nonfinite
@@ -47,6 +48,8 @@ __all__ = [
     "is_portable",
     "instrument",
     "Instrumentation",
+    "save_hooks",
+    "load_hooks",
     "record",
     "Log",
     "Record",

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from .._shim import HUB_NAME
+from ..serialize.hookdoc import fingerprint
 from ._hooks import HookEntry
 from ._limits import AuditError, printable
 from ._report import EXIT_INCOMPLETE, EXIT_UNREADABLE, AuditReport, audit_file
@@ -57,7 +58,8 @@ def _header(entry: HookEntry) -> str:
     if entry.foreign:
         name = printable(entry.name[:200], one_line=True)
         return f"{where}{resource}: foreign hook {name} (not decodable; loading will import it)"
-    return f"{where}{resource}: {HUB_NAME}.{_abbrev(entry.name)} ({len(entry.name)} chars)"
+    return (f"{where}{resource}: {HUB_NAME}.{_abbrev(entry.name)} ({len(entry.name)} chars, "
+            f"fingerprint {fingerprint(entry.name)})")
 
 
 def _global_line(path: str, status: str, called: bool, resources: list[str]) -> str:
@@ -116,6 +118,9 @@ def _print(report: AuditReport, shown: str) -> None:
             else:
                 note = "UNSAFE  {} (code that runs on import)"
             out("  " + note.format(printable(b.module[:300], one_line=True)))
+    for note in report.notes:
+        out("")
+        out(printable(note, one_line=True))
     for problem in report.problems:
         out("")
         out(printable(problem, one_line=True))

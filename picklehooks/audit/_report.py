@@ -16,14 +16,16 @@ to list its imports; nothing is imported, compiled or run.
 from __future__ import annotations
 
 import ast
+import json
 import os
 from dataclasses import dataclass, field
 
-from .._shim import DecodeError, MAX_SOURCE_BYTES
+from .._shim import DecodeError, MAX_SOURCE_BYTES, PicklehooksError
+from ..serialize import hookdoc
 from ..serialize.codec import decode
 from ._containers import Bundled, Contents, Unreadable, read
 from ._hooks import HookEntry, collect
-from ._limits import AuditError, Limits, show
+from ._limits import MAX_MEMBER_BYTES, AuditError, Limits, show
 from ._machine import Parsed
 from .policy import verdict
 
@@ -59,6 +61,7 @@ class AuditReport:
     # FRAMEs that don't end on an opcode boundary, one message each: file readers and pickle.loads
     # read such a file differently (both readings are audited), which no pickler writes: UNSAFE.
     irregular: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what else a hooks document says (its instrumentation spec)
 
     @property
     def unsafe(self) -> list[GlobalUse]:
@@ -164,6 +167,8 @@ def audit_file(path: str | os.PathLike[str]) -> AuditReport:
     on memory or time is hit.
     """
     path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith((".json", ".safetensors")):
+        return _document_report(path)
     try:
         contents, limits = read(path)
     except Unreadable as exc:
@@ -179,6 +184,12 @@ def _report(path: str, contents: Contents, limits: Limits) -> AuditReport:
     entries: list[HookEntry] = []
     for resource in contents.resources:
         entries += collect(resource.parsed, resource.name, decoder)
+    found = _globals([(r.name, r.parsed) for r in contents.resources])
+    return AuditReport(path, entries, found, contents.bundled, problems, _imports(entries), limits,
+                       list(contents.irregular))
+
+
+def _imports(entries: list[HookEntry]) -> dict[str, list[str] | str]:
     imports: dict[str, list[str] | str] = {}
     for entry in entries:
         if entry.source is not None and entry.name not in imports:
@@ -186,8 +197,46 @@ def _report(path: str, contents: Contents, limits: Limits) -> AuditReport:
                 imports[entry.name] = imports_of(entry.source)
             except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
                 imports[entry.name] = f"unknown: the text does not parse ({type(exc).__name__}: {str(exc)[:200]})"
-    found = _globals([(r.name, r.parsed) for r in contents.resources])
-    return AuditReport(path, entries, found, contents.bundled, problems, imports, limits, list(contents.irregular))
+    return imports
+
+
+def _document_report(path: str) -> AuditReport:
+    """The hooks ``save_hooks`` wrote as text: a model directory's config.json and safetensors metadata.
+
+    Such files hold no pickle: nothing in them is imported or called by a load, only the
+    hooks ``load_hooks(trust=...)`` would attach; their text is decoded here, never run.
+    """
+    files = []
+    try:
+        if os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, "config.json")):
+                files.append(os.path.join(path, "config.json"))
+            files += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not files:
+                raise AuditError("a directory without config.json or .safetensors files; give a file to inspect")
+        else:
+            files.append(path)
+        for file in files:
+            if file.endswith(".json") and os.path.getsize(file) > MAX_MEMBER_BYTES:
+                raise AuditError(f"{os.path.basename(file)} is over {MAX_MEMBER_BYTES} bytes; treat as unsafe")
+        docs = [(os.path.basename(file), hookdoc.read(file)) for file in files]
+    except OSError as exc:
+        raise AuditError(f"can't read it: {exc.strerror or exc}") from None
+    except PicklehooksError as exc:
+        raise AuditError(str(exc)) from None
+    problems: list[str] = []
+    limits = Limits(sum(os.path.getsize(f) for f in files))
+    decoder = _Decoder(limits, problems)
+    entries, notes = [], []
+    for resource, doc in docs:
+        if doc is None:
+            continue
+        for hook in doc["hooks"]:
+            entries.append(HookEntry(hook["module"], hook["kind"], hook["name"], *decoder(hook["name"]), resource))
+        if doc["spec"] is not None:
+            notes.append(f"instrumentation spec [{resource}] (settings, not code; load_hooks applies it): "
+                         + json.dumps(doc["spec"], sort_keys=True))
+    return AuditReport(path, entries, [], [], problems, _imports(entries), limits, [], notes)
 
 
 def find_hooks(path: str | os.PathLike[str]) -> list[HookEntry]:

@@ -115,6 +115,18 @@ def mark_idle(module: torch.nn.Module, attr: str, handle) -> None:
         hooks.idle_keys.add(handle.id)
 
 
+def keep(module: torch.nn.Module, owner) -> None:
+    """Keep ``owner`` (an instrumentation handle) alive for as long as ``module``'s hook dictionaries live.
+
+    Held by the :class:`HookDict` only: it pickles and copies as a plain ``OrderedDict``, so the
+    owner never travels with the model. A module whose dictionaries are plain keeps nothing.
+    """
+    for attr in _ATTRS:
+        hooks = module.__dict__.get(attr)
+        if isinstance(hooks, HookDict):
+            hooks.owner = owner
+
+
 def restore(module: torch.nn.Module) -> None:
     """Put plain dictionaries back where a :class:`HookDict` is empty again (after ``remove()``)."""
     for attr in _ATTRS:

@@ -34,7 +34,7 @@ Limits:
 from __future__ import annotations
 
 import ast
-import fnmatch
+import copy
 import inspect
 import textwrap
 import typing
@@ -46,28 +46,69 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _hookrt, _ops
 from ..serialize import codec
-from . import generate as _generate, hookdict as _hookdict
+from . import generate as _generate, hookdict as _hookdict, tree as _tree
+from .spec import CAPTURE_KINDS, check_capture as _check_capture, from_spec, select as _select, to_spec
 from .._shim import HUB_NAME, PicklehooksError, hub
 
 __all__ = ["instrument", "Instrumentation", "CAPTURE_KINDS", "MODES"]
 
-CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "buffer", "param_grad")
 MODES = {"stats": _ops.STATS, "tensor": _ops.TENSOR, "both": _ops.STATS | _ops.TENSOR}
 _NAME_ATTR = "_picklehooks_name"
 # torch.jit.script calls a module's __prepare_scriptable__() first, where it has one: how a module
 # whose hooks TorchScript can't compile says so by name, instead of "Couldn't find method: 'forward'".
 _PREPARE_ATTR = "__prepare_scriptable__"
+# instrument()'s settings as their defaults: what spec= may not be given beside.
+_DEFAULTS = {"modules": None, "depth": None, "capture": ("output", "grad_output"), "mode": "stats",
+             "scriptable": False, "on_nonfinite": None, "profile": False}
 
 
 class Instrumentation:
-    """What :func:`instrument` added; ``remove()`` takes all of it away again."""
+    """What :func:`instrument` added; ``remove()`` takes all of it away again.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``spec`` says what was asked for (plain JSON, see :mod:`picklehooks.capture.spec`);
+    ``refresh()`` applies it again to the model as it is now (after PEFT or another
+    tool replaced or wrapped modules). The instrumented modules keep their
+    handle alive (see :func:`picklehooks.capture.hookdict.keep`), so that
+    :mod:`picklehooks.capture.tree` can check the model for surgery and
+    ``save_hooks`` can find the spec, also when the caller dropped the handle.
+    """
+
+    def __init__(self, model: nn.Module, spec: dict | None = None, example: tuple = (None, None)) -> None:
         self.model = model
         self.modules: dict[str, nn.Module] = {}
         self.skipped: dict[str, str] = {}  # qualified name -> why it got no hooks
         self._handles: list[RemovableHandle] = []
         self._watching: dict[str, nn.Module] = {}  # modules whose parameters' gradients are watched
+        self._spec = spec
+        self._example = example  # example_inputs/kwargs: refresh() needs them again for scriptable hooks
+        self._state_flags = 0  # the param_grad hooks' flags, to watch a moved module under its new name
+        self._tree: list | None = None  # the model's tree as instrumented (see picklehooks.capture.tree)
+        # ("hooked" or "watched", name, module) for modules that left the tree with our hooks still on
+        # them (tree.py moves them here, so a module moving into their name can't hide them from remove()).
+        self._gone: list[tuple[str, str, nn.Module]] = []
+
+    @property
+    def spec(self) -> dict:
+        """What :func:`instrument` was asked for, as plain JSON: ``instrument(model, spec=handle.spec)`` does it again."""
+        return copy.deepcopy(self._spec)
+
+    def refresh(self) -> Instrumentation:
+        """Instrument the model again as it is now, with the same spec; return this handle.
+
+        After model surgery (PEFT's ``get_peft_model`` or ``merge_and_unload``,
+        quantisation): the hooks come off every module instrumented before,
+        and go on what the spec selects now (a pattern that covers them picks
+        up new modules such as LoRA adapters). The handle stays the same object.
+        """
+        model, spec, (inputs, kwargs) = self.model, self._spec, self._example
+        settings = from_spec(spec)
+        _select(model, settings.get("modules"), settings.get("depth"))  # chooses nothing: raise with the hooks on
+        self.remove()
+        fresh = instrument(model, spec=spec, example_inputs=inputs, example_kwargs=kwargs)
+        _tree.untrack(fresh)
+        self.__dict__.update(fresh.__dict__)
+        _tree.track(self)
+        return self
 
     def _add(self, module: nn.Module, attr: str, handle: RemovableHandle, *, idle: bool = False) -> None:
         """Keep ``handle``; ``idle``: the hook does nothing while nothing records (see :mod:`._hookdict`)."""
@@ -76,19 +117,22 @@ class Instrumentation:
             _hookdict.mark_idle(module, attr, handle)
 
     def remove(self) -> None:
-        """Remove every hook and attribute this instrumentation added."""
+        """Remove every hook and attribute this instrumentation added (also from modules no longer in the model)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self.modules.values():
+        gone = self._gone
+        for module in [*self.modules.values(), *(m for kind, _, m in gone if kind == "hooked")]:
             module.__dict__.pop(_NAME_ATTR, None)
             if getattr(module.__dict__.get(_PREPARE_ATTR), "__module__", None) == HUB_NAME:
                 del module.__dict__[_PREPARE_ATTR]
             _hookdict.restore(module)
-        for name, module in self._watching.items():
+        for name, module in [*self._watching.items(), *((n, m) for kind, n, m in gone if kind == "watched")]:
             _ops.unwatch_grads(module.parameters(recurse=False), name)
         self.modules.clear()
         self._watching.clear()
+        gone.clear()
+        _tree.untrack(self)
 
     def __enter__(self) -> Instrumentation:
         return self
@@ -98,44 +142,6 @@ class Instrumentation:
 
     def __repr__(self) -> str:
         return f"<picklehooks.Instrumentation of {len(self.modules)} modules>"
-
-
-def _check_capture(capture: str | Iterable[str]) -> set[str]:
-    kinds = set(CAPTURE_KINDS) if capture == "all" else {capture} if isinstance(capture, str) else set(capture)
-    bad = sorted(k for k in kinds if k not in CAPTURE_KINDS)
-    if bad or not kinds:
-        raise PicklehooksError(
-            f"capture={capture!r}: {', '.join(map(repr, bad)) or 'nothing'} is not a capture kind; "
-            f"use 'all' or any of {', '.join(CAPTURE_KINDS)}"
-        )
-    return kinds
-
-
-def _select(model: nn.Module, modules, depth: int | None) -> dict[str, nn.Module]:
-    if depth is not None and (not isinstance(depth, int) or depth < 0):
-        raise PicklehooksError(f"depth={depth!r}: use a non-negative int (1 = the model's children)")
-    if modules is not None and (isinstance(modules, (str, type)) or not isinstance(modules, Iterable)):
-        modules = [modules]
-    chosen = {}
-    for name, module in model.named_modules():
-        level = 0 if name == "" else name.count(".") + 1
-        if depth is not None and level > depth:
-            continue
-        if modules is None:
-            if name == "":
-                continue  # FX drops root hooks; name "" explicitly to hook the root
-        elif not any(
-            (isinstance(p, str) and fnmatch.fnmatchcase(name, p)) or (isinstance(p, type) and isinstance(module, p))
-            for p in modules
-        ):
-            continue
-        chosen[name] = module
-    if not chosen:
-        raise PicklehooksError(
-            f"modules={modules!r}, depth={depth!r} chose no module of {type(model).__name__}; "
-            f"names look like {[n for n, _ in model.named_modules()][1:4]}"
-        )
-    return chosen
 
 
 def _observe(model: nn.Module, chosen: dict[str, nn.Module], args: Sequence, kwargs: dict) -> dict[str, tuple]:
@@ -297,6 +303,7 @@ def instrument(
     scriptable: bool = False,
     on_nonfinite: str | None = None,
     profile: bool = False,
+    spec: dict | str | None = None,
 ) -> Instrumentation:
     """Add logging hooks to ``model``'s submodules; return a handle whose ``remove()`` undoes it.
 
@@ -312,9 +319,25 @@ def instrument(
     ``profile=True`` wraps each module call in a ``torch.profiler`` range named
     ``module:<qualified name>``, eager or scripted, traced or compiled (see
     :mod:`picklehooks.diagnostics.profile`).
+
+    ``spec``: another instrumentation's ``handle.spec`` (or its JSON text), applied
+    instead of the settings above (give ``example_inputs`` beside it where it is
+    ``scriptable``); the modules are chosen by its rule on this model.
     """
     if not isinstance(model, nn.Module):
         raise PicklehooksError(f"instrument() takes an nn.Module, got {type(model).__name__}")
+    if spec is not None:
+        given = {k: v for k, v in (("modules", modules), ("depth", depth), ("capture", capture), ("mode", mode),
+                                   ("scriptable", scriptable), ("on_nonfinite", on_nonfinite), ("profile", profile))
+                 if v != _DEFAULTS[k]}
+        if given:
+            raise PicklehooksError(f"instrument() got spec= and {sorted(given)}: the spec holds those settings; "
+                                   "give one or the other")
+        settings = from_spec(spec)
+        modules, depth = settings.get("modules"), settings.get("depth")
+        capture, mode = settings.get("capture", _DEFAULTS["capture"]), settings.get("mode", "stats")
+        scriptable, on_nonfinite = settings.get("scriptable", False), settings.get("on_nonfinite")
+        profile = settings.get("profile", False)
     if mode not in MODES:
         raise PicklehooksError(f"mode={mode!r}: use one of {', '.join(MODES)}")
     if on_nonfinite not in (None, "raise"):
@@ -342,7 +365,11 @@ def instrument(
     state_flags = (_ops.VALUE | store if {"param", "buffer"} & kinds else 0) | (
         _ops.PARAM_GRAD | store if "param_grad" in kinds else 0)
 
-    handle = Instrumentation(model)
+    handle = Instrumentation(model, to_spec(modules=modules, depth=depth, capture=kinds, mode=mode,
+                                            scriptable=scriptable, on_nonfinite=on_nonfinite, profile=profile,
+                                            kinds_order=CAPTURE_KINDS),
+                             (example_inputs, example_kwargs))
+    handle._state_flags = state_flags
     try:
         for name, module in chosen.items():
             if "param_grad" in kinds:
@@ -414,4 +441,5 @@ def instrument(
     except BaseException:
         handle.remove()
         raise
+    _tree.track(handle)
     return handle

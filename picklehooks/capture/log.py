@@ -38,13 +38,14 @@ follows its own forward (training loops, modules called several times).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Iterator, NamedTuple
 
 import torch
 
 from .. import _state
 from .._shim import PicklehooksError
-from . import logfile as _logfile, sink as _sink, table as _table
+from . import logfile as _logfile, sink as _sink, table as _table, tree as _tree
 from .pending import PENDING_BYTES, _Pending
 from .record import STAT_NAMES, Record, _record_from_row
 from .rows import Rows
@@ -328,14 +329,16 @@ class Recording:
 
     A class, not a generator: an abandoned one (entered, never left, as a
     callback's may be when training dies) has no finaliser to run against a
-    half-torn-down interpreter at exit.
+    half-torn-down interpreter at exit. Entering checks the instrumented
+    models for surgery (:mod:`picklehooks.capture.tree`); leaving a block in
+    which no instrumented module ran warns (a model whose hooks a loader dropped).
     """
 
-    __slots__ = ("log", "_token")
+    __slots__ = ("log", "_token", "_mark")
 
     def __init__(self, log: Log) -> None:
         self.log = log
-        self._token = None
+        self._token = self._mark = None
 
     @property
     def active(self) -> bool:
@@ -345,10 +348,12 @@ class Recording:
     def __enter__(self) -> Log:
         if self._token is not None:
             raise PicklehooksError("this record() is active already; leave it before entering it again")
+        _tree.check()
+        self._mark = _made(self.log)
         self._token = _state.push(self.log)
         return self.log
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
         token, self._token = self._token, None
         if token is None:  # left already: nothing to undo
             return
@@ -358,3 +363,14 @@ class Recording:
         finally:
             if log._sink is not None:
                 log.flush()
+        if exc_type is None and _made(log) == self._mark:
+            warnings.warn(
+                "nothing was recorded in this record() block: no instrumented module ran. A model made by "
+                "from_pretrained() or torch.load of a state dict has none of the hooks the saved model had; "
+                "attach them with picklehooks.load_hooks(model, path, trust=...) or "
+                "picklehooks.instrument(model, spec=...)", UserWarning, stacklevel=2)
+
+
+def _made(log: Log) -> tuple:
+    """What a log holds and wrote: changes whenever a record is made."""
+    return len(log._rows) + len(log._records), None if log._sink is None else log._sink.next

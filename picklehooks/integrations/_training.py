@@ -43,6 +43,7 @@ from typing import Callable, Iterable
 from .. import _state
 from .._deliver import NonfiniteError, record_tensor
 from .._shim import PicklehooksError
+from ..capture import tree as _tree
 from ..capture.instrument import _NAME_ATTR, MODES, _check_capture, _select, instrument
 from ..capture.log import STAT_NAMES, Log
 from ..capture.record import _record_from_row
@@ -155,6 +156,7 @@ class StepRecorder:
         self.deactivate()
         self.step = step if index % self.every_n_steps == 0 else None
         if self.step is not None:
+            _tree.check()  # as record() does: surgery since the last step renames and warns
             self.log.begin_step(step)
             self._first = len(self.log.records)
         return self.step is not None

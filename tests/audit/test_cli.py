@@ -11,6 +11,8 @@ from hard-coded names or texts.
 
 from __future__ import annotations
 
+import hashlib
+
 import inspect
 import os
 import pickle
@@ -283,11 +285,11 @@ class TestCli:
                 assert f"\n    {line}".rstrip() in out
 
     def test_long_names_are_abbreviated(self, model, tmp_path):
-        """Headers show a shortened hub name and its length, not the whole name."""
+        """Headers show a shortened hub name, its length and its fingerprint, not the whole name."""
         proc = inspect_cli(save(model, tmp_path / "model.pkl", "pickle-4"))
         for _, _, name in model_hooks(model):
             assert name not in proc.stdout
-            assert f"({len(name)} chars)" in proc.stdout
+            assert f"({len(name)} chars, fingerprint {hashlib.sha256(name.encode()).hexdigest()[:16]})" in proc.stdout
 
     def test_no_hooks(self, tmp_path):
         """A state dict without hooks says so, lists only allowlisted globals, and exits 0."""

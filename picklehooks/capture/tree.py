@@ -1,0 +1,143 @@
+"""Noticing model surgery: an instrumented model whose module tree changed since ``instrument()``.
+
+PEFT's ``get_peft_model`` wraps each target ``Linear`` in a LoRA layer (the
+``Linear`` moves to ``….q_proj.base_layer``), ``merge_and_unload`` puts the
+``Linear`` back, quantisation tools replace layers. Hooks stay on the module
+objects, but the names they were given describe the old tree. :func:`check`
+(run as each ``record()`` block starts, and as a training callback's recorded
+step starts) compares each live instrumentation's model with the tree it was
+made for; where it changed it
+
+* renames what moved: each instrumented module (and each module whose
+  parameters' gradients are watched) gets its current qualified name, so
+  records never carry a name that no longer exists;
+* warns once per change, naming the modules moved, gone and new (those the
+  spec would choose now but that have no hooks), and the fix: ``handle.refresh()``.
+
+Limits: an instrumentation is watched while something holds its handle: the
+caller, or the hook dictionaries of its modules (:func:`picklehooks.capture.hookdict.keep`),
+which is not the case with ``PICKLEHOOKS_IDLE_HOOKS=0`` or on modules that had
+hooks before ``instrument()``; a module no longer in the tree keeps its old name (its hooks run
+only if something still calls it); the check walks each instrumented model's
+modules once per ``record()`` (a fraction of a microsecond per module); models
+scripted, compiled or exported after instrumenting are not checked (their
+names are fixed in their graphs).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+from .. import _ops
+from .._shim import PicklehooksError
+from . import hookdict as _hookdict
+from .spec import from_spec, select
+
+__all__ = ["check", "track", "untrack", "live"]
+
+_NAME_ATTR = "_picklehooks_name"
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # instrumentations with hooks on a model (kept alive by it)
+
+
+def _fingerprint(model) -> list:
+    """Every module's identity and child names, depth first: changes whenever a module is replaced,
+    moved, added or removed. Read off the ``_modules`` dicts (no qualified names are built): about
+    0.2 µs a module, paid at each ``record()``."""
+    out, stack = [], [model]
+    while stack:
+        module = stack.pop()
+        out.append(id(module))
+        for key, child in module._modules.items():
+            if child is not None:
+                out.append(key)
+                stack.append(child)
+    return out
+
+
+def track(handle) -> None:
+    """Watch ``handle``'s model from now on, as it is now; its modules keep it alive meanwhile."""
+    handle._tree = _fingerprint(handle.model)
+    _LIVE.add(handle)
+    for module in handle.modules.values():
+        _hookdict.keep(module, handle)
+
+
+def untrack(handle) -> None:
+    _LIVE.discard(handle)
+
+
+def live() -> list:
+    """The instrumentations with hooks on a model now."""
+    return list(_LIVE)
+
+
+def check() -> None:
+    """Rename moved modules and warn about changed trees, for every live instrumentation."""
+    for handle in list(_LIVE):
+        _check(handle, handle.model)
+
+
+def _check(handle, model) -> None:
+    tree = _fingerprint(model)
+    if tree == handle._tree:
+        return
+    handle._tree = tree
+    now: dict[int, str] = {}
+    for name, module in model.named_modules():
+        now.setdefault(id(module), name)
+    moved, gone = {}, []
+    for kind, table in (("hooked", handle.modules), ("watched", handle._watching)):
+        for old, module in list(table.items()):
+            new = now.get(id(module))
+            if new is None:  # set aside: remove() still cleans it, and its name is free for a module moving in
+                gone.append(old)
+                handle._gone.append((kind, old, table.pop(old)))
+            elif new != old:
+                moved[old] = new
+    _rename(handle, moved)
+    try:
+        settings = from_spec(handle._spec)
+        wanted = select(model, settings.get("modules"), settings.get("depth"))
+    except PicklehooksError:  # the spec chooses nothing in the new tree
+        wanted = {}
+    have = {id(m) for m in [*handle.modules.values(), *handle._watching.values()]}
+    new_modules = [n for n, m in wanted.items() if id(m) not in have and n not in handle.skipped]
+    if not (moved or gone or new_modules):
+        return
+    parts = []
+    if moved:
+        parts.append("moved: " + _listing(f"{o} -> {n}" for o, n in moved.items()))
+    if gone:
+        parts.append("no longer in the model: " + _listing(sorted(set(gone))))
+    if new_modules:
+        parts.append("new, without hooks: " + _listing(new_modules))
+    warnings.warn(
+        f"the modules of the instrumented {type(model).__name__} changed since instrument() (replaced or wrapped, "
+        f"as PEFT and quantisation tools do); {'; '.join(parts)}. Records use the modules' current names; call "
+        "handle.refresh() to instrument the model as it is now, with the same spec", UserWarning, stacklevel=4)
+
+
+def _listing(items, limit: int = 6) -> str:
+    items = list(items)
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _rename(handle, moved: dict[str, str]) -> None:
+    """Each ``old`` name is ``moved[old]`` now: its hooks and watched parameters' records say so from here on.
+
+    Taken out under the old names first, then put back under the new ones: two modules may swap names.
+    """
+    taken = [(old, new, handle.modules.pop(old, None), handle.skipped.pop(old, None), handle._watching.pop(old, None))
+             for old, new in moved.items()]
+    for old, new, module, skipped, watched in taken:
+        if module is not None:
+            module.__dict__[_NAME_ATTR] = new
+            handle.modules[new] = module
+        if skipped is not None:
+            handle.skipped[new] = skipped
+        if watched is not None:
+            own = [(n, p) for n, p in watched.named_parameters(recurse=False) if p is not None]
+            _ops.unwatch_grads([p for _, p in own], old)
+            _ops.watch_grads(new, [n for n, _ in own], [p for _, p in own], handle._state_flags, claim=True)
+            handle._watching[new] = watched
