@@ -193,7 +193,18 @@ class StepRecorder:
         return values
 
     def fail(self, exc: BaseException, step: int | None) -> None:
-        """An exception left the training step: record a guard's hit if it isn't yet, then :meth:`finish`."""
+        """An exception left the training step: record a guard's hit if it isn't yet, then :meth:`finish`.
+
+        Never raises: the trainer re-raises ``exc``, which must stay the error the user sees; a
+        failure here (a sink that can't be written) is added to it as a note.
+        """
+        for cleanup in (lambda: self._record_guard_hit(exc, step), self.finish):
+            try:
+                cleanup()
+            except Exception as error:  # noqa: BLE001 - reported on the user's own error instead
+                exc.add_note(f"picklehooks could not clean up after this error: {error!r}")
+
+    def _record_guard_hit(self, exc: BaseException, step: int | None) -> None:
         self.deactivate()
         if isinstance(exc, NonfiniteError) and exc.step is None and exc.nan is not None and self.log is not None:
             # Raised outside a recorded step, so check_finite found no log: record what the error knows.
@@ -202,4 +213,3 @@ class StepRecorder:
                    "dtype": exc.dtype, "value": None, **{name: math.nan for name in STAT_NAMES}}
             row["n_nan"], row["n_inf"] = exc.nan, exc.inf
             self.log.records.append(_record_from_row(row, None))
-        self.finish()
