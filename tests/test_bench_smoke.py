@@ -33,6 +33,15 @@ def test_logging_bench_prints_its_tables():
     assert re.search(r"MLP \(36 modules, batch 32\): 36 modules instrumented, 72 records", out), out
 
 
+def test_launch_count_bench_prints_a_count_per_record():
+    """The GPU path's operators per record, counted on the CPU: recording adds some to each model."""
+    out = run("bench_launches.py")
+    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+\.\d) \|$", out, flags=re.M)
+    assert [r[0].split(" (")[0] for r in rows] == ["MLP", "Transformer"], out
+    for _, records, base, recorded, per in rows:
+        assert int(records) > 0 and int(recorded) > int(base) and float(per) > 0
+
+
 @pytest.mark.skipif(not _native.AVAILABLE, reason="the microbenchmark times the native path")
 def test_record_path_microbench_prints_every_piece():
     out = run("bench_record_path.py", "--rounds", "2", "--calls", "20")
