@@ -16,12 +16,14 @@ checks it from the imports):
   (the switch between the C extension ``picklehooks._speedups`` and its Python twin),
   :mod:`picklehooks._version`, :mod:`picklehooks._compat`;
 * :mod:`picklehooks.serialize`: hook text as a name (codec), portable functions, torch.package;
-* :mod:`picklehooks.capture`: ``instrument()``, generated hooks, ``record()``, ``Log``, ``Record``, log files;
+* :mod:`picklehooks.capture`: ``instrument()``, generated hooks, ``record()``, ``Log``, ``Record``, log files,
+  ``save_hooks``/``load_hooks``;
 * :mod:`picklehooks.audit`: reading a file without loading it, ``safe_globals()``, and the
   one trust policy they and the shim follow (:mod:`picklehooks.audit.policy`);
 * :mod:`picklehooks.diagnostics`: debugging workflows on the logs (NaN/Inf, dead units,
   gradient flow and conflict, comparisons, profiles, surgery, Jacobians, plots, reports);
-* :mod:`picklehooks.integrations`: TensorBoard, MLflow, torch.distributed; each takes a ``Log``;
+* :mod:`picklehooks.integrations`: TensorBoard, MLflow, torch.distributed (each takes a ``Log``),
+  and the ``transformers``/Lightning training callbacks;
 * :mod:`picklehooks.__main__`: the command line (``demo``, ``inspect``, ``report``).
 
 Old module paths (``picklehooks.log``, ``picklehooks.mlflow``, ...) still

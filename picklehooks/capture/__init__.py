@@ -2,7 +2,9 @@
 
 * :mod:`~picklehooks.capture.instrument`: ``instrument(model)``, which generates typed,
   portable hooks (:mod:`~picklehooks.capture.generate`) and installs them
-  (:mod:`~picklehooks.capture.hookdict`);
+  (:mod:`~picklehooks.capture.hookdict`); :mod:`~picklehooks.capture.spec` (``handle.spec``:
+  what was asked for, as JSON), :mod:`~picklehooks.capture.tree` (model surgery noticed at
+  ``record()``), :mod:`~picklehooks.capture.hookfile` (``save_hooks``/``load_hooks``);
 * the log: :mod:`~picklehooks.capture.log` (``record()``, ``Log``, its reading side),
   :mod:`~picklehooks.capture.rows` (the row-writing path the ops call),
   :mod:`~picklehooks.capture.pairing` (forward calls and their gradients),
