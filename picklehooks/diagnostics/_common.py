@@ -32,6 +32,7 @@ from .._stats import tensor_stats
 from ..capture.instrument import _NAME_ATTR, instrument
 from ..capture.log import Log, Record
 from ..capture.record import _stats_dict
+from ..capture.spec import class_path  # specs name module types the same way
 
 
 
@@ -98,11 +99,6 @@ def nonfinite_count(rec: Record) -> int:
     """NaN + Inf elements in a tensor record (0 for non-tensor values)."""
     stats = stats_of(rec)
     return 0 if stats is None else stats["n_nan"] + stats["n_inf"]
-
-
-def class_path(cls: type) -> str:
-    """``cls``'s qualified name, ``module.QualName`` (``torch.nn.modules.activation.ReLU``)."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def module_types(model, *, named: bool = True) -> dict[str, tuple[str, ...]]:
