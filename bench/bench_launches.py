@@ -4,25 +4,27 @@ Run from the repository root (a few seconds)::
 
     .venv/bin/python bench/bench_launches.py
 
-On a GPU, every aten operator the recording path runs is at least one kernel
-launch, and at these models' sizes launch latency, not arithmetic, is what
-recording costs (``bench/results/logging_cuda.md``). The native statistics
-pass is CPU-only, so a GPU takes the Python path: a copy of each recorded
-tensor into a row of a batch matrix, reduced when the statistics are read.
-This script runs that path on the CPU (``PICKLEHOOKS_NATIVE=0``, set here
-before picklehooks is imported) under ``torch.profiler`` and counts the
-*leaf* aten operators (those that call no other aten operator: the ones that
-would launch kernels) per forward+backward, un-instrumented and recording
-statistics (and reading them), for the bench's MLP and 2-layer transformer.
-The figure that matters is the difference per record.
+On a GPU, every aten operator that runs a kernel is a launch, and at these
+models' sizes launch latency, not arithmetic, is what recording costs
+(``bench/results/logging_cuda.md``). The native statistics pass is CPU-only,
+so a GPU takes the batched path (:mod:`picklehooks.capture.pending`): one copy
+of each recorded tensor into its dtype's arena, and a fixed number of
+reductions per arena when the statistics are read. This script runs that
+path on the CPU (``PICKLEHOOKS_NATIVE=0``, set here before picklehooks is
+imported) under ``torch.profiler`` and counts, per forward+backward,
+un-instrumented and recording statistics (and reading them), for the bench's
+MLP and 2-layer transformer: the operators that run a kernel, judged by
+their schemas (:func:`launches_kernel`), and the leaf operators (those that
+call no other). The figure that matters is kernels per record.
 
 Counts, not times: they are the same on any host. Limits: a GPU runs some
-operators as several kernels (or none, for views), and the CPU count
-includes the reads' reductions, which a GPU pays once per batch of a shape.
+operators as several kernels, and the count includes the read's reductions,
+which a GPU pays once per log and dtype, not per record.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -37,12 +39,46 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_logging import make_mlp, make_transformer  # noqa: E402
 
 
-def leaf_aten_ops(step) -> int:
-    """Leaf aten operators that ``step()`` runs in this thread and autograd's."""
+# Allocation only: a caching allocator hands out memory without a kernel.
+_ALLOCATORS = frozenset({"empty", "empty_strided"})
+
+
+@functools.cache
+def launches_kernel(name: str) -> bool:
+    """Whether the aten operator ``name`` (``aten::x``) runs a kernel, judged by its schema: not
+    when every overload returns no tensor (``result_type``) or only views of its inputs (aliases
+    that aren't written: ``view``, ``as_strided``, ``detach``, a ``to`` that copies nothing), and
+    not for the allocators. An in-place op (``copy_``, an alias that is written) does."""
+    op = name.split("::", 1)[1]
+    if op in _ALLOCATORS:
+        return False
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return True
+    for overload in packet.overloads():
+        tensors = [r for r in getattr(packet, overload)._schema.returns if "Tensor" in str(r.type)]
+        if any(r.alias_info is None or r.alias_info.is_write for r in tensors):
+            return True
+    return False
+
+
+def _kernel_below(event) -> bool:
+    """Whether an aten operator that ``event`` calls (at any depth) runs a kernel."""
+    return any(launches_kernel(c.name) or _kernel_below(c) for c in event.cpu_children
+               if c.name.startswith("aten::"))
+
+
+def leaf_aten_ops(step) -> tuple[int, int]:
+    """Aten operators that ``step()`` runs in this thread and autograd's: the leaves (those that
+    call no other), and the kernels: operators that run one (:func:`launches_kernel`) and call none
+    that does (so ``where``, whose only children allocate, counts, and ``to``, whose ``copy_``
+    does the work, doesn't)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
-    return sum(1 for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children))
+    leaves = sum(1 for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children))
+    kernels = sum(1 for e in events if launches_kernel(e.name) and not _kernel_below(e))
+    return leaves, kernels
 
 
 def main() -> None:
@@ -73,14 +109,18 @@ def main() -> None:
         picklehooks.instrument(model)
         recorded = leaf_aten_ops(recording)
         n = records[-1]
-        rows.append((label, n, base, recorded, (recorded - base) / n))
+        rows.append((label, n, base, recorded))
     print("### Operator launches per record (the GPU path, counted on the CPU)\n")
-    print(f"torch {torch.__version__}; `PICKLEHOOKS_NATIVE=0`; leaf aten operators per forward+backward, "
+    print(f"torch {torch.__version__}; `PICKLEHOOKS_NATIVE=0`; aten operators per forward+backward, "
           "recording statistics of every output and output gradient (`instrument()`'s defaults) and reading them.\n")
-    print("| model | records | un-instrumented | recording | per record |")
-    print("|---|---:|---:|---:|---:|")
-    for label, n, base, recorded, per in rows:
-        print(f"| {label} | {n} | {base} | {recorded} | {per:.1f} |")
+    print("| model | records | kernels: un-instrumented | kernels: recording | kernels per record "
+          "| leaf ops: un-instrumented | leaf ops: recording | leaf ops per record |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, n, (base, base_k), (recorded, recorded_k) in rows:
+        print(f"| {label} | {n} | {base_k} | {recorded_k} | {(recorded_k - base_k) / n:.2f} "
+              f"| {base} | {recorded} | {(recorded - base) / n:.1f} |")
+    print("\nKernels: operators that run one and call none that does (views, metadata and allocations "
+          "run none; see `launches_kernel`); leaf ops: operators that call no other.")
 
 
 if __name__ == "__main__":

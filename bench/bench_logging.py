@@ -40,8 +40,11 @@ Sections (``--only`` takes a comma-separated subset; default all):
   model against the compiled instrumented one, idle and recording, with the
   statistics computed by the record op's kernel at run time (the default
   where the native kernel is built) and by the graph itself (Inductor's
-  fused reductions; the default elsewhere). Each variant is its own
-  ``nn.Sequential`` subclass, so Dynamo can't reuse another's graph.
+  fused reductions; the default elsewhere; each call sets the switch, on
+  which Dynamo guards). Each variant is its own ``nn.Sequential`` subclass,
+  so Dynamo can't reuse another's graph. A floor in the same run: the
+  compiled plain model followed by the native statistics of as many fresh
+  tensors as one call records, of the same shapes (CPU, with the extension).
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
@@ -168,6 +171,7 @@ C_STATS = "compiled instrumented, recording stats (by the record op's kernel, + 
 C_GQUIET = "compiled instrumented, not recording (statistics by the graph)"
 C_GSTATS = "compiled instrumented, recording stats (by the graph, + reading them)"
 C_EAGER = "eager plain model (reference)"
+C_FLOOR = "compiled plain model, then the native statistics of as many values of the same sizes (floor)"
 
 # Targets of issue 12, by group of tables; a table's variants not named here have none.
 TARGETS: dict[str, dict[str, float]] = {
@@ -421,8 +425,10 @@ def measure(variants: dict[str, Callable[[], None]], setup: Setup, rounds: int |
         calls(name, warmup, timed=False)
     if setup.sync is not None:
         setup.sync()
-    base = min(sample(variants[names[0]], 5, setup.sync)[1] for _ in range(3))
-    n = max(1, round(budget_s / base))
+    n = 1  # budget_s=0: one call per sample (steps that take seconds)
+    if budget_s:
+        base = min(sample(variants[names[0]], 5, setup.sync)[1] for _ in range(3))
+        n = max(1, round(budget_s / base))
     times: Times = {name: {clock: [] for clock in CLOCKS} for name in names}
     gc_was = gc.isenabled()
     gc.disable()
@@ -689,6 +695,19 @@ def compile_section(setup: Setup) -> None:
     model, x = model.to(setup.device), x.to(setup.device)
     task = tensor_task(model, x)
 
+    def with_flag(run: Callable[[], None], in_graph: bool) -> Callable[[], None]:
+        """``run`` with the statistics computed by the graph or not. Dynamo guards on the flag (a
+        global its tracing reads), so each call must set it: with the flag left as it was, the
+        graph variants' calls recompiled and measured the kernel's graph (bench runs before this fix)."""
+        def call() -> None:
+            saved = _taps._GRAPH_STATS_ON_CPU
+            _taps._GRAPH_STATS_ON_CPU = in_graph
+            try:
+                run()
+            finally:
+                _taps._GRAPH_STATS_ON_CPU = saved
+        return call
+
     def own_class(m: nn.Module, i: int) -> nn.Module:
         m.__class__ = type(f"BenchVariant{i}", (nn.Sequential,), {})  # Dynamo guards on the type
         return m
@@ -702,24 +721,37 @@ def compile_section(setup: Setup) -> None:
             hooked = own_class(copy.deepcopy(model), i)
             picklehooks.instrument(hooked)
             run = workload(torch.compile(hooked, fullgraph=True), task, backward)
-            saved = _taps._GRAPH_STATS_ON_CPU
-            _taps._GRAPH_STATS_ON_CPU = in_graph  # read while compiling: the first call
-            try:
-                run()
-                recording(run, read_stats=True)()  # backward graphs compile on the first backward
-            finally:
-                _taps._GRAPH_STATS_ON_CPU = saved
+            with_flag(run, in_graph)()
+            with_flag(recording(run, read_stats=True), in_graph)()  # backward graphs compile on the first backward
             compiled[in_graph] = run
         variants = {
             C_BASE: workload(plain, task, backward),
-            C_QUIET: compiled[False],
-            C_STATS: recording(compiled[False], read_stats=True),
-            C_GQUIET: compiled[True],
-            C_GSTATS: recording(compiled[True], read_stats=True),
+            C_QUIET: with_flag(compiled[False], False),
+            C_STATS: with_flag(recording(compiled[False], read_stats=True), False),
+            C_GQUIET: with_flag(compiled[True], True),
+            C_GSTATS: with_flag(recording(compiled[True], read_stats=True), True),
             C_EAGER: workload(copy.deepcopy(model), task, backward),
         }
+        if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
+            variants[C_FLOOR] = statistics_floor(variants[C_BASE], compiled[False], backward)
         times = measure(variants, setup, warmup=5)
         table(phase, times, C_BASE, setup, {}, summary=f"compile {'fwd+bwd' if backward else 'fwd'}")
+
+
+def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None],
+                     backward: bool) -> Callable[[], None]:
+    """``plain``, then the native statistics of fresh tensors shaped like every value one call of
+    ``instrumented`` records: what any recording costs on the CPU, however it is wired into a graph."""
+    with picklehooks.record() as log:
+        instrumented()
+    values = [torch.randn(r.shape) for r in log.records]
+    stats = picklehooks._native.stats
+
+    def run() -> None:
+        plain()
+        for v in values:
+            stats(v)
+    return run
 
 
 def torchlens_phase(setup: Setup, baseline: dict[str, list[float]] | None) -> None:
@@ -833,6 +865,26 @@ def pin_malloc() -> str:
             else "the allocator's own settings (no glibc mallopt here)")
 
 
+def checked_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device``'s value as a device the benchmarks run on, or the parser's error."""
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {name}: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available in this torch build or on this machine")
+    return device
+
+
+def begin(setup: Setup, sections: list[str]) -> float:
+    """Settle the process for measuring (allocator, one thread, warnings), print the header; the start time."""
+    allocator = pin_malloc()
+    torch.set_num_threads(1)
+    # The first module's input needs no gradient, so its full backward hook fires on outputs only (as intended).
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    header(setup, sections, allocator)
+    return time.perf_counter()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=25, help="interleaved samples per variant (default 25)")
@@ -847,19 +899,8 @@ def main() -> None:
         parser.error(f"--only: unknown section(s) {unknown}; choose from {','.join(SECTIONS)}")
     if args.no_torchlens and "torchlens" in sections:
         sections.remove("torchlens")
-    device = torch.device(args.device)
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {args.device}: use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available in this torch build or on this machine")
-    setup = Setup(device, args.rounds)
-
-    allocator = pin_malloc()
-    torch.set_num_threads(1)
-    # The first module's input needs no gradient, so its full backward hook fires on outputs only (as intended).
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    started = time.perf_counter()
-    header(setup, sections, allocator)
+    setup = Setup(checked_device(parser, args.device), args.rounds)
+    started = begin(setup, sections)
     mlp_forward_baseline = None
     if "mlp" in sections:
         mlp_forward_baseline = eager_section("MLP (36 modules, batch 32)", "MLP", make_mlp, setup)
@@ -873,7 +914,7 @@ def main() -> None:
     if "compile" in sections:
         compile_section(setup)
     if "torchlens" in sections:
-        torchlens_phase(setup, mlp_forward_baseline if device.type == "cpu" else None)
+        torchlens_phase(setup, mlp_forward_baseline if setup.device.type == "cpu" else None)
         print("\nTorchLens forward+backward: not measured (trace() logs a forward pass).")
     summary(setup)
     progress(f"done in {time.perf_counter() - started:.0f} s")

@@ -1,16 +1,17 @@
 """Statistics of many tensors at once, on their device, without a host sync.
 
 A forward pass records dozens of tensors, and each statistic is a kernel
-launch; so a log stacks recorded tensors of equal shape and dtype into the
-rows of one matrix (see :mod:`picklehooks.capture.log`) and every statistic is one
-row-wise reduction over it (:func:`matrix_stats`). The fast path makes a
-few passes: min, max and a count of non-zero bit patterns in the recorded
-dtype (counting with boolean masks is several times slower on CPU), then a
-sum and a norm accumulated in float64. ``std`` comes from the sum and the
-norm, which loses precision when ``|mean| >> std``, and NaN/Inf counts are
-left unknown; :func:`finish` repairs exactly those rows, from the kept
-matrix, once the table is on the host (reading syncs anyway), so the
-common row costs nothing more.
+launch; so a log copies the tensors it can't reduce in the hook into one
+buffer per device and dtype (see :mod:`picklehooks.capture.pending`), and
+:func:`segment_stats` reduces all of them with a fixed number of kernels,
+however many there are and whatever their shapes. Each copy is a segment of
+the buffer padded with zeros to a multiple of :data:`PAD` elements, so the
+buffer is a ``(chunks, PAD)`` matrix: row-wise reductions give per-chunk
+partial results (min and max with the padding masked, counts, float64
+sums), and ``index_add_``/``scatter_reduce_`` over the chunks' segment
+indices combine them per tensor. ``std`` takes one more pass, centred on
+each tensor's mean: the two-pass value, accurate when ``|mean| >> std``.
+:func:`tensor_stats` reduces one tensor (:func:`matrix_stats`).
 
 Semantics follow the per-tensor torch calls: ``std`` is the population
 standard deviation; a tensor containing NaN has NaN ``mean``, ``std``,
@@ -22,11 +23,11 @@ Every sum is accumulated in float64, whatever the dtype: a float32 sum of
 an attention mask filled with ``finfo(float32).min`` overflows to ``-inf``
 (and its std to NaN), and a float32 sum of values that cancel loses more
 than 1e-6 of the mean. So the statistics of finite input are finite and
-within about 1e-12 of float64 arithmetic on the same values. Float32 rows
-are converted a block at a time (a float64 copy of a whole group would
-double its memory; on CPU the conversion, not the reduction, is what costs).
-float64 rows can overflow too (values near ``finfo(float64).max``): the
-exact path and :func:`finish` reduce them scaled by a power of two, which
+within about 1e-12 of float64 arithmetic on the same values. Values are
+converted a block at a time (a float64 copy of a whole buffer would double
+its memory; on CPU the conversion, not the reduction, is what costs).
+float64 values can overflow float64 sums too (values near
+``finfo(float64).max``): they are reduced scaled by a power of two, which
 is exact, so only a statistic whose true value is beyond float64's range
 (the norm of many such values) is ``inf``.
 """
@@ -39,19 +40,17 @@ import torch
 
 #: The statistics, in the column order of each row.
 STAT_NAMES = ("mean", "std", "min", "max", "absmax", "norm", "nan", "inf", "zero_frac")
-MEAN_COL, STD_COL, NORM_COL, NAN_COL, INF_COL = 0, 1, 5, 6, 7
 EMPTY = (math.nan,) * 6 + (0, 0, math.nan)
 
-# The fast std is sqrt(norm**2/n - mean**2); its relative error grows like
-# eps * mean**2 / var, so rows past this ratio get the two-pass std (error
-# ~eps) in finish(). Sums are float64 (eps 1.1e-16), so 1e3 keeps std within
-# about 1e-13 of the float64 two-pass value.
-_ILL_CONDITIONED = 1e3
 # Float32 rows are converted to float64 this many elements at a time.
 _BLOCK = 1 << 18
+# segment_stats converts its chunks to float64 in blocks of at least this many elements, and at
+# most _SEGMENT_BLOCKS of them: each block costs a fixed number of kernels, and its float64 copy
+# is the working memory (32 MiB, or an eighth of a buffer of more than 32M elements).
+_SEGMENT_BLOCK, _SEGMENT_BLOCKS = 1 << 22, 8
 # Reinterpreted as integers, a float is +-0 exactly when its bits, sign
 # masked off, are 0; NaN and Inf are non-zero, as they should be.
-#: Row width (in elements) that makes counting zeros fast; see matrix_stats(padded=).
+#: Chunk width (in elements) of segment_stats' buffers, which also makes counting zeros fast.
 PAD = 256
 _BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
 # The normal powers of two, 2**lowest .. 2**highest, and the mantissa's width (IEEE 754 binary32/64).
@@ -109,12 +108,11 @@ def _moments(x: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch
     return mean / scale, std / scale, norm / scale
 
 
-def _float64_moments(x: torch.Tensor, *, exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 ``(mean, std, norm)`` of each row of a float32 matrix, accumulated in float64.
+def _float64_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``(mean, std, norm)`` of each row of a float32 matrix, accumulated in float64, std in two passes.
 
     Rows are converted a block at a time (:data:`_BLOCK` elements), so the
-    float64 copy stays small and is reused from the allocator's cache. With
-    ``exact=False``, ``std`` is the one-pass value (see :func:`finish`).
+    float64 copy stays small and is reused from the allocator's cache.
     """
     rows, n = x.shape
     step = max(1, min(rows, _BLOCK // n))
@@ -126,91 +124,137 @@ def _float64_moments(x: torch.Tensor, *, exact: bool) -> tuple[torch.Tensor, tor
         block = buffer[: len(part)].copy_(part)
         mean = block.sum(1) / n
         norm = torch.linalg.vector_norm(block, dim=1)
-        if exact:
-            std = torch.linalg.vector_norm(block.sub_(mean[:, None]), dim=1) / math.sqrt(n)
-        else:
-            std = (norm.square() / n - mean.square()).clamp_(min=0).sqrt_()
+        std = torch.linalg.vector_norm(block.sub_(mean[:, None]), dim=1) / math.sqrt(n)
         means.append(mean), stds.append(std), norms.append(norm)
     if len(means) == 1:
         return means[0], stds[0], norms[0]
     return torch.cat(means), torch.cat(stds), torch.cat(norms)
 
 
-def matrix_stats(x: torch.Tensor, *, exact: bool = False, padded: torch.Tensor | None = None) -> torch.Tensor:
-    """A float64 ``(rows, len(STAT_NAMES))`` table: the statistics of each row of ``x`` (non-empty rows).
-
-    ``padded``, if given, holds the same rows followed by zeros up to a
-    multiple of :data:`PAD` columns, contiguous: zeros are counted faster there.
-    With ``exact=False`` the ``nan`` and ``inf`` columns are NaN (unknown)
-    and ``std`` is the one-pass value; :func:`finish` completes such rows.
-    """
+def matrix_stats(x: torch.Tensor) -> torch.Tensor:
+    """A float64 ``(rows, len(STAT_NAMES))`` table: the statistics of each row of ``x`` (non-empty rows)."""
     x = _as_real(x)
     n = x.shape[1]
     f64 = torch.float64
     lo, hi = x.amin(1), x.amax(1)  # exact in any dtype
-    nonzero = _count_nonzero(padded if padded is not None and padded.dtype == x.dtype else x)
+    nonzero = _count_nonzero(x)
     if x.dtype != f64:
-        mean, std, norm = _float64_moments(x, exact=exact)
-    elif exact:
+        mean, std, norm = _float64_moments(x)
+    else:
         mean, std, norm = _moments(x, torch.maximum(lo.abs(), hi.abs()))
-    else:
-        # float64 sums can overflow too: such a row has a non-finite mean or norm, and finish() redoes it.
-        mean = x.sum(1) / n
-        norm = torch.linalg.vector_norm(x, dim=1)
-        std = (norm.square() / n - mean.square()).clamp_(min=0).sqrt_()
-    if exact:
-        nan, inf = torch.isnan(x).sum(1).to(f64), torch.isinf(x).sum(1).to(f64)
-    else:
-        nan = inf = torch.full_like(mean, math.nan)
+    nan, inf = torch.isnan(x).sum(1).to(f64), torch.isinf(x).sum(1).to(f64)
     lo, hi = lo.to(f64), hi.to(f64)
     zero_frac = 1 - nonzero.to(f64) / n
     absmax = torch.maximum(lo.abs(), hi.abs())
     return torch.stack([mean, std, lo, hi, absmax, norm, nan, inf, zero_frac], dim=1)
 
 
-def finish(x: torch.Tensor, rows: list[list[float]]) -> list[list[float]]:
-    """Complete the host ``rows`` of a fast :func:`matrix_stats` table of ``x``, in place.
-
-    NaN/Inf counts are zero where mean and norm are finite and are counted
-    otherwise. Where the input is finite but the one-pass ``std`` may be
-    inaccurate (``mean**2 > 1e3 var``) or a float64 sum overflowed (``mean``,
-    ``std`` or ``norm`` is not finite: float64 values near its maximum),
-    ``mean``, ``std`` (in two passes) and ``norm`` are recomputed from the
-    rows scaled by a power of two.
-    """
-    count = []
-    for i, row in enumerate(rows):
-        if math.isnan(row[NAN_COL]):
-            if math.isfinite(row[MEAN_COL]) and math.isfinite(row[NORM_COL]):
-                row[NAN_COL] = row[INF_COL] = 0
-            else:
-                count.append(i)
-    if count:
-        sub = _as_real(x[torch.tensor(count, device=x.device)])
-        for i, nan, inf in zip(count, torch.isnan(sub).sum(1).tolist(), torch.isinf(sub).sum(1).tolist()):
-            rows[i][NAN_COL], rows[i][INF_COL] = nan, inf
-    refine = []
-    for i, row in enumerate(rows):
-        if row[NAN_COL] or row[INF_COL]:
-            continue  # NaN/Inf statistics are the right answer for non-finite input
-        mean, std, norm = row[MEAN_COL], row[STD_COL], row[NORM_COL]
-        if not (math.isfinite(mean) and math.isfinite(std) and math.isfinite(norm)) or \
-                mean * mean > _ILL_CONDITIONED * std * std:
-            refine.append(i)
-    if refine:
-        sub = _as_real(x[torch.tensor(refine, device=x.device)]).double()
-        absmax = sub.abs().amax(1)
-        means, stds, norms = (column.tolist() for column in _moments(sub, absmax))
-        for i, mean, std, norm in zip(refine, means, stds, norms):
-            rows[i][MEAN_COL], rows[i][STD_COL], rows[i][NORM_COL] = mean, std, norm
-    return rows
-
-
 def tensor_stats(x: torch.Tensor) -> list[float]:
     """The :data:`STAT_NAMES` values of one tensor, exact, on the host (a sync)."""
     if x.numel() == 0:
         return list(EMPTY)
-    return matrix_stats(x.reshape(1, -1), exact=True)[0].tolist()
+    return matrix_stats(x.reshape(1, -1))[0].tolist()
+
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _count_true(flags: torch.Tensor) -> torch.Tensor:
+    """The True values along the last dimension (:data:`PAD` wide) of a contiguous bool tensor.
+
+    As in :func:`_count_nonzero`, one byte per flag summed four at a time as
+    int32 lanes (at most 64 per byte lane): no int64 copy of the flags, which
+    summing them as they are would make.
+    """
+    words = flags.view(torch.int32).sum(-1, dtype=torch.int32)
+    return words.view(torch.uint8).view(*words.shape, 4).sum(-1)
+
+
+def segment_stats(data: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """A float64 ``(len(sizes), len(STAT_NAMES))`` table: the statistics of the tensors packed in ``data``.
+
+    ``data`` is 1-D, ``len(segment) * PAD`` elements: chunks of :data:`PAD`.
+    Chunk ``c`` belongs to tensor ``segment[c]`` and holds ``valid[c]`` (1 to
+    ``PAD``) of its values, then zeros; tensor ``i`` has ``sizes[i]`` values
+    (non-empty: an empty tensor has no chunk to take statistics from).
+    ``segment`` and ``valid`` are int64, ``sizes`` float64, all on ``data``'s
+    device. The kernels are a fixed number per block of chunks (one block
+    up to 4M elements, at most :data:`_SEGMENT_BLOCKS`), however many
+    tensors and shapes; nothing waits for the device.
+
+    A pass over the chunks in float64 gives each chunk's min and max (the
+    padding masked), its non-zero, NaN and Inf counts, and float64 sums of
+    the values and their squares; ``index_add_`` and ``scatter_reduce_``
+    combine the chunks per tensor. float64 values are summed in a second
+    pass, scaled by a power of two per tensor (see :func:`_pow2_scale`). A
+    last pass sums the squared deviations from each tensor's mean: the
+    two-pass ``std``.
+    """
+    chunks, f64, device, n = len(segment), torch.float64, data.device, len(sizes)
+    x = data.view(chunks, PAD)
+    step = max(_SEGMENT_BLOCK // PAD, -(-chunks // _SEGMENT_BLOCKS))
+    blocks = [(a, min(a + step, chunks)) for a in range(0, chunks, step)]
+    lanes = torch.arange(PAD, device=device)
+    buffer = torch.empty((min(step, chunks), PAD), dtype=f64, device=device)
+    # Only float64 values can overflow float64 sums (float32's largest squared is about 1e77).
+    scaled = x.dtype in (f64, torch.complex128)
+
+    def widened(a: int, b: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunks ``a:b`` in float64, times the column ``scale`` if given: in ``buffer`` (every block
+        reuses it) unless they are float64 already and unscaled."""
+        real = x[a:b].abs() if x.is_complex() else x[a:b]  # complex values by their magnitude
+        if scale is not None:
+            return torch.mul(real, scale[a:b], out=buffer[: b - a])
+        return real if real.dtype == f64 else buffer[: b - a].copy_(real)
+
+    partial = []
+    for a, b in blocks:
+        y = widened(a, b)
+        # For min and max the padding repeats the chunk's first element, which is always a value.
+        lo, hi = torch.aminmax(torch.where(lanes < valid[a:b, None], y, y[:, :1]), dim=1)
+        counts = _count_true(torch.stack([y != 0, torch.isnan(y), torch.isinf(y)], dim=1))
+        columns = [lo[:, None], hi[:, None], counts]
+        if not scaled:  # y is the buffer: squared in place, last
+            columns += [y.sum(1, keepdim=True), y.square_().sum(1, keepdim=True)]
+        partial.append(torch.cat(columns, dim=1))
+    partial = _cat(partial)
+    lo = torch.empty(n, dtype=f64, device=device).scatter_reduce_(0, segment, partial[:, 0], "amin",
+                                                                  include_self=False)
+    hi = torch.empty(n, dtype=f64, device=device).scatter_reduce_(0, segment, partial[:, 1], "amax",
+                                                                  include_self=False)
+    totals = torch.zeros((n, partial.shape[1] - 2), dtype=f64, device=device).index_add_(0, segment, partial[:, 2:])
+    nonzero, nan, inf = totals[:, 0], totals[:, 1], totals[:, 2]
+    # scatter_reduce_'s amin/amax need not propagate NaN on every device: the NaN count decides.
+    has_nan = nan > 0
+    lo, hi = torch.where(has_nan, math.nan, lo), torch.where(has_nan, math.nan, hi)
+    absmax = torch.maximum(lo.abs(), hi.abs())
+
+    scale = chunk_scale = None
+    sums = totals[:, 3:]
+    if scaled:
+        scale = _pow2_scale(absmax)
+        chunk_scale = scale.index_select(0, segment)[:, None]
+        parts = []
+        for a, b in blocks:
+            y = widened(a, b, chunk_scale)
+            total = y.sum(1)
+            parts.append(torch.stack([total, y.square_().sum(1)], dim=1))
+        sums = torch.zeros((n, 2), dtype=f64, device=device).index_add_(0, segment, _cat(parts))
+    mean = sums[:, 0] / sizes
+
+    chunk_mean = mean.index_select(0, segment)[:, None]
+    squares = []
+    for a, b in blocks:
+        y = widened(a, b, chunk_scale)  # the buffer: float64 chunks are scaled
+        # Deviations from the tensor's mean where the chunk holds values; the padding stays zero.
+        squares.append(y.addcmul_(lanes < valid[a:b, None], chunk_mean[a:b], value=-1).square_().sum(1))
+    std = torch.zeros(n, dtype=f64, device=device).index_add_(0, segment, _cat(squares)).div_(sizes).sqrt_()
+    norm = sums[:, 1].sqrt()
+    if scale is not None:  # dividing by a power of two is exact: only a value beyond float64's range is inf
+        mean, std, norm = mean / scale, std / scale, norm / scale
+    return torch.stack([mean, std, lo, hi, absmax, norm, nan, inf, 1 - nonzero / sizes], dim=1)
 
 
 #: Dtypes whose statistics a compiled graph computes itself (:func:`graph_stats`). Others go to
@@ -228,15 +272,21 @@ def graph_stats(x: torch.Tensor) -> torch.Tensor:
 
     The semantics of :func:`tensor_stats`: sums in float64 (float32 values can't overflow
     them), ``std`` in two passes, NaN/Inf propagating as there, ``zero_frac`` as ``zeros / n``.
+    Written for Inductor's code generators: the counts compare (``x != x`` for NaN, ``|x| == inf``)
+    rather than call ``isnan``/``isinf``, which its CPU backend runs element by element, and count
+    in int32 where the tensor is small enough (int64 lanes are half as wide); the norm is the
+    square root of the float64 sum of squares (no scaling: float32 squares can't overflow it).
     """
     n = x.numel()
-    v = x.reshape(-1).to(torch.float64)
+    count = torch.int32 if isinstance(n, int) and n < 2**31 else torch.int64
+    f64 = torch.float64
+    v = x.reshape(-1).to(f64)
     mean = v.sum() / n
     std = (v - mean).square().sum().div(n).sqrt()
-    norm = torch.linalg.vector_norm(v)
-    lo, hi = x.amin().to(torch.float64), x.amax().to(torch.float64)
+    norm = v.square().sum().sqrt()
+    lo, hi = x.amin().to(f64), x.amax().to(f64)
     absmax = torch.maximum(lo.abs(), hi.abs())
-    nan = torch.isnan(x).sum().to(torch.float64)
-    inf = torch.isinf(x).sum().to(torch.float64)
-    zero_frac = (x == 0).sum().to(torch.float64) / n
+    nan = (x != x).sum(dtype=count).to(f64)
+    inf = (x.abs() == math.inf).sum(dtype=count).to(f64)
+    zero_frac = (x == 0).sum(dtype=count).to(f64) / n
     return torch.stack([mean, std, lo, hi, absmax, norm, nan, inf, zero_frac])

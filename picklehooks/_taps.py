@@ -47,6 +47,7 @@ _range_exit = torch.ops.picklehooks.range_exit
 # None under an older picklehooks on the host of a torch.package archive made by this version.
 _graph_site = getattr(_ops, "graph_site", None)
 _is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (new in torch 2.6)
 _is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_scripting() call
 _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
 _active_log = _state._ACTIVE.get  # the log recording in this context (the host's, inside an archive)
@@ -316,6 +317,12 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
         else:
             _record(x, name, kind, path, flags)
         flags = (flags & ~_ops.VALUE) | _ops.COUNTED
+        if flags & _ops.GRAD_NONE and not _is_exporting():
+            # No gradient can reach this value (a no_grad forward), and Dynamo guards on grad mode and
+            # on requires_grad, so a call that could get one compiles its own graph. Without the tap
+            # the value isn't copied (the record op counted the call). An exported graph may run
+            # under another grad mode than it was traced in: it keeps its taps.
+            flags &= ~_ops.GRAD
     if flags & (_ops.GRAD | _ops.GUARD):
         return _tap(x, name, kind, path, flags)
     return x

@@ -36,10 +36,13 @@ def test_logging_bench_prints_its_tables():
 def test_launch_count_bench_prints_a_count_per_record():
     """The GPU path's operators per record, counted on the CPU: recording adds some to each model."""
     out = run("bench_launches.py")
-    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+\.\d) \|$", out, flags=re.M)
+    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+\.\d\d) \| (\d+) \| (\d+) \| (\d+\.\d) \|$",
+                      out, flags=re.M)
     assert [r[0].split(" (")[0] for r in rows] == ["MLP", "Transformer"], out
-    for _, records, base, recorded, per in rows:
-        assert int(records) > 0 and int(recorded) > int(base) and float(per) > 0
+    for _, records, base_k, recorded_k, per_k, base, recorded, per in rows:
+        assert int(records) > 0 and int(recorded_k) > int(base_k) and float(per_k) > 0
+        # Kernels are a subset of the leaf operators (views, metadata and allocations aren't kernels).
+        assert int(base_k) < int(base) and int(recorded_k) < int(recorded) and float(per_k) <= float(per)
 
 
 @pytest.mark.skipif(not _native.AVAILABLE, reason="the microbenchmark times the native path")
@@ -58,3 +61,13 @@ def test_record_path_microbench_prints_every_piece():
     assert not cpp or "C++ kernel does nothing" in rows[-1][0], out
     lane_rows = re.findall(r"^\| (forward[^|]*)(?: \| -?\d+\.\d\d){4} \|$", out, flags=re.M)
     assert lane_rows == ["forward (no_grad)", "forward+backward"], out
+
+
+def test_sizes_bench_prints_both_models_and_the_summary():
+    """bench_sizes.py's tables, on shrunken models (--smoke): every variant, the record counts, the summary."""
+    pytest.importorskip("transformers")
+    out = run("bench_sizes.py", "--rounds", "1", "--smoke")
+    assert out.count("#### GPT-2 small") == 1 and out.count("#### ResNet-18") == 1 and "#### Summary" in out, out
+    counts = re.findall(r"^Records per forward\+backward: (\d+) \(defaults\), (\d+) \(everything\)\.$", out, flags=re.M)
+    assert len(counts) == 2 and all(0 < int(d) < int(e) for d, e in counts), out
+    assert out.count("| recording stats of every input, output, gradient and parameter") == 3, out

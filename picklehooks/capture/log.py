@@ -2,11 +2,12 @@
 
 ``with picklehooks.record() as log:`` turns recording on for the current
 thread (or asyncio task); instrumented models then add :class:`Record`\\ s to
-``log``. Each recorded tensor is copied on its device; copies of one shape
-and dtype are reduced together (:mod:`picklehooks.capture.pending`) the first time
-any record's ``stats`` is read, or when the copies pass
-:data:`PENDING_BYTES`, and all statistics reach the host in one transfer
-per device: no host synchronisation per hook.
+``log``. A CPU tensor's statistics are computed in the hook (the native pass);
+any other tensor is copied on its device, and copies of one dtype are
+reduced together, a fixed number of kernels for all of them
+(:mod:`picklehooks.capture.pending`), the first time any record's ``stats``
+is read, or when the copies pass :data:`PENDING_BYTES`; all statistics
+reach the host in one transfer per device: no host synchronisation per hook.
 
 ``log.save(dir)`` writes an open format: ``records.json`` (every field and
 statistic, strict JSON: non-finite statistics are the strings ``"NaN"``,
@@ -272,8 +273,8 @@ class Held(NamedTuple):
 
     records: int  #: records built (``log.records``) and not written to a sink
     rows: int  #: rows the hooks added, not built into records yet
-    copies: list  #: the matrices of batched copies not reduced yet (their memory)
-    batches: int  #: shapes batched since the last write, plus groups of statistics not read yet
+    copies: list  #: the buffers of batched copies not reduced yet (their memory)
+    batches: int  #: dtypes batched since the last write, plus arenas of statistics not read yet
     unread_sink: bool  #: a log loaded from a sink whose records haven't been read into memory
 
 

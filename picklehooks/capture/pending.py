@@ -1,65 +1,116 @@
 """Statistics of recorded copies, computed in batches on their device and read in one transfer.
 
 A record whose statistics can't be computed at once (a tensor on another
-device, a dtype the native pass doesn't read, no extension) is copied into a
-row of a preallocated matrix per (device, dtype, shape): a :class:`_Group`.
-The log's :class:`_Pending` reduces every group the first time any record's
-statistics are read, or once the copies pass :data:`PENDING_BYTES`, and
-brings all of them to the host in one transfer per device: no host
-synchronisation per hook.
+device, a dtype the native pass doesn't read, no extension) is copied into
+a segment of a preallocated buffer per (device, dtype): an :class:`_Arena`.
+Recording is that one copy. The log's :class:`_Pending` reduces every arena
+the first time any record's statistics are read, or once the copies pass
+:data:`PENDING_BYTES`, with :func:`~picklehooks._stats.segment_stats`: a
+fixed number of kernels per arena, however many shapes were recorded, and
+one host-to-device transfer of the arena's layout (which chunk is whose).
+All tables come to the host in one transfer per device: no host
+synchronisation per hook, and none before the first read.
 
-Limits: a group's rows are padded to :data:`~picklehooks._stats.PAD`
-elements, so small tensors cost up to that much memory each until reduced.
+Limits: each copy is padded to a multiple of :data:`~picklehooks._stats.PAD`
+elements, so small tensors cost up to that much memory each until reduced;
+an arena holds at least :data:`_MIN_ARENA` elements, and at most
+:data:`PENDING_BYTES` (a larger tensor gets an arena of its own). A log's
+first arenas are sized by growing fourfold, later logs' from what the
+largest one recorded (:data:`_CAPACITY`), so a log reduces one arena per
+(device, dtype) once the model's recording has been seen. A copy kept as a
+record's tensor (``mode="tensor"``) is a view of its arena and keeps all of
+it in memory.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
-from .._stats import PAD, finish, matrix_stats
+from .._stats import EMPTY, PAD, segment_stats
 
 __all__ = ["PENDING_BYTES"]
 
 #: Bytes of recorded copies a log keeps for batched statistics before reducing them.
 PENDING_BYTES = 64 << 20
 
+# Elements an arena holds at least: a log's first arena of a dtype starts here, not at one tensor's size.
+_MIN_ARENA = 1 << 16
 
-class _Group:
-    """Copies of recorded tensors of one (device, dtype, shape), in the rows of one preallocated matrix.
 
-    Copying into a row allocates nothing, and the statistics of all rows come
-    from a handful of row-wise reductions. Rows are padded with zeros to a
-    multiple of :data:`~picklehooks._stats.PAD` elements, which makes zeros
-    quick to count.
+class _Arena:
+    """Copies of recorded tensors of one (device, dtype), each in its own segment of one preallocated buffer.
+
+    A segment starts at a multiple of :data:`~picklehooks._stats.PAD`
+    elements and the buffer is zeroed when allocated, so the copies, their
+    padding included, are the rows of a ``(chunks, PAD)`` matrix. Copying
+    in is one kernel and allocates nothing. ``used`` counts the records, and
+    a record's statistics are row ``i`` of the table (``rows`` once read).
     """
 
-    __slots__ = ("data", "views", "used", "table", "rows")
+    __slots__ = ("data", "end", "sizes", "used", "table", "rows")
 
     def __init__(self, like: torch.Tensor, capacity: int) -> None:
-        n = like.numel()
-        self.data = torch.empty((capacity, n + -n % PAD), dtype=like.dtype, device=like.device)
-        self.data[:, n:].zero_()
-        # Every row as a tensor of the recorded shape, made in one call.
-        self.views = self.data[:, :n].view(capacity, *like.shape).unbind(0)
+        self.data = torch.zeros(capacity, dtype=like.dtype, device=like.device)
+        self.end = 0  # elements taken, a multiple of PAD
+        self.sizes: list[int] = []  # elements of each record, in order
         self.used = 0
         self.table: torch.Tensor | None = None  # on the device, once reduced
         self.rows: list[list[float]] | None = None  # on the host, once read
 
     @classmethod
-    def of_table(cls, table: torch.Tensor) -> _Group:
-        """A group of one row whose statistics were computed elsewhere (by a compiled graph)."""
-        group = cls.__new__(cls)
-        group.data = group.views = group.rows = None
-        group.used, group.table = 1, table.view(1, -1)
-        return group
+    def of_table(cls, table: torch.Tensor) -> _Arena:
+        """An arena of one record whose statistics were computed elsewhere (a compiled graph, or none to compute)."""
+        arena = cls.__new__(cls)
+        arena.data = arena.sizes = arena.rows = None
+        arena.end, arena.used, arena.table = 0, 1, table.view(1, -1)
+        return arena
 
-    def reduce(self, *, exact: bool) -> torch.Tensor:
-        """Compute the table (no sync), release the copies; return the matrix reduced."""
-        n = self.views[0].numel()
-        x = self.data[: self.used, :n]
-        self.table = matrix_stats(x, exact=exact, padded=self.data[: self.used])
-        self.data = self.views = None
-        return x
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        """Copy ``x`` (non-empty, fitting) into the next segment; return the copy, shaped like ``x``."""
+        n = x.numel()
+        # One view op, not a slice and a view: the hook's time on the host is per operator.
+        row = self.data.as_strided(x.shape, _contiguous_strides(x.shape), self.end)
+        row.copy_(x)
+        self.end += n + -n % PAD
+        self.sizes.append(n)
+        self.used += 1
+        return row
+
+    def reduce(self) -> None:
+        """Compute the table on the device (no sync) and release the buffer."""
+        segment: list[int] = []  # per chunk: its record
+        valid: list[int] = []  # per chunk: the record's values in it
+        for i, n in enumerate(self.sizes):
+            full, rest = divmod(n, PAD)
+            segment += [i] * (full + (rest > 0))
+            valid += [PAD] * full + [rest] * (rest > 0)
+        chunks = len(segment)
+        # One transfer: the chunks' segments and counts as int64, then the sizes as float64 (their bytes).
+        host = bytearray(array("q", segment + valid).tobytes() + array("d", self.sizes).tobytes())
+        layout = _to_device(torch.frombuffer(host, dtype=torch.int64), self.data.device)
+        self.table = segment_stats(self.data[: chunks * PAD], layout[:chunks], layout[chunks : 2 * chunks],
+                                   layout[2 * chunks :].view(torch.float64))
+        self.data = self.sizes = None
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    stride, strides = 1, []
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= size
+    return tuple(reversed(strides))
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without the host waiting: a copy from pinned memory is asynchronous on CUDA
+    (from pageable memory it would synchronise), and the pinned block isn't reused before the copy ends."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class _Pending:
@@ -74,71 +125,70 @@ class _Pending:
     __slots__ = ("filling", "unreduced", "reduced", "seen", "bytes")
 
     def __init__(self) -> None:
-        self.filling: dict[tuple, _Group] = {}  # the group taking new rows, per (device, dtype, shape)
-        self.unreduced: list[_Group] = []  # every group holding copies
-        self.reduced: list[_Group] = []  # with a table, not yet read
-        self.seen: dict[tuple, int] = {}  # rows recorded per key
+        self.filling: dict[tuple, _Arena] = {}  # the arena taking new copies, per (device, dtype)
+        self.unreduced: list[_Arena] = []  # every arena holding copies
+        self.reduced: list[_Arena] = []  # with a table, not yet read
+        self.seen: dict[tuple, int] = {}  # elements (padded) recorded per key
         self.bytes = 0
 
-    def add(self, x: torch.Tensor) -> tuple[_Group, torch.Tensor]:
-        """Copy ``x`` into a row; return its group and the row (as a tensor shaped like ``x``)."""
-        key = (x.device, x.dtype, x.shape)
-        group = self.filling.get(key)
-        seen = self.seen[key] = self.seen.get(key, 0) + 1
-        if group is None or group.used == len(group.views):
-            size = x.numel() * x.element_size()
-            # A model records the same shapes every step: size the group for what the
-            # last log recorded, and grow fourfold while that isn't enough.
-            capacity = max(_CAPACITY.get(key, 4), 4 * (len(group.views) if group else 0))
-            group = self.filling[key] = _Group(x, max(1, min(capacity, PENDING_BYTES // size)))
-            self.unreduced.append(group)
-        row = group.views[group.used]
-        row.copy_(x)
-        group.used += 1
-        if seen > _CAPACITY.get(key, 0):
-            if len(_CAPACITY) >= 1024:  # e.g. a shape per sequence length: forget, don't grow
-                _CAPACITY.clear()
-            _CAPACITY[key] = seen
-        self.bytes += x.numel() * x.element_size()
+    def add(self, x: torch.Tensor) -> tuple[_Arena, torch.Tensor]:
+        """Copy ``x`` into an arena; return the arena (``x``'s statistics are its last row) and the copy,
+        shaped like ``x``."""
+        if not x.numel():  # nothing to copy or reduce
+            return self.add_table(torch.tensor(EMPTY, dtype=torch.float64)), x.clone()
+        key = (x.device, x.dtype)
+        n = x.numel()
+        padded = n + -n % PAD
+        seen = self.seen[key] = self.seen.get(key, 0) + padded
+        arena = self.filling.get(key)
+        if arena is None or arena.end + padded > len(arena.data):
+            # A model records the same tensors every step: size the arena for what the largest log
+            # recorded, and grow fourfold while that isn't enough; past PENDING_BYTES only to fit x.
+            capacity = max(_CAPACITY.get(key, 0), 4 * len(arena.data) if arena else 0, _MIN_ARENA)
+            capacity = max(padded, min(capacity, PENDING_BYTES // x.element_size()))
+            arena = self.filling[key] = _Arena(x, capacity + -capacity % PAD)
+            self.unreduced.append(arena)
+        row = arena.add(x)
+        _CAPACITY[key] = max(seen, _CAPACITY.get(key, 0))
+        self.bytes += n * x.element_size()
         if self.bytes > PENDING_BYTES:
-            self.reduce(exact=True)
-        return group, row
+            self.reduce()
+        return arena, row
 
-    def add_table(self, stats: torch.Tensor) -> _Group:
+    def add_table(self, stats: torch.Tensor) -> _Arena:
         """Keep statistics computed on the device (no copy of the value, no sync); read with the rest."""
-        group = _Group.of_table(stats)
-        self.reduced.append(group)
-        return group
+        arena = _Arena.of_table(stats)
+        self.reduced.append(arena)
+        return arena
 
-    def reduce(self, *, exact: bool) -> dict[int, torch.Tensor]:
-        """Turn every group's copies into a table on its device (no sync); return the matrices by group id."""
-        done = {id(group): group.reduce(exact=exact) for group in self.unreduced}
+    def reduce(self) -> None:
+        """Turn every arena's copies into a table on its device (no sync)."""
+        for arena in self.unreduced:
+            arena.reduce()
         self.reduced += self.unreduced
         self.filling, self.unreduced, self.bytes = {}, [], 0
-        return done
 
     def read(self) -> None:
-        """Bring every table to the host, one transfer per device; complete the fast rows."""
-        matrices = self.reduce(exact=False)
-        by_device: dict[torch.device, list[_Group]] = {}
-        for group in self.reduced:
-            by_device.setdefault(group.table.device, []).append(group)
+        """Bring every table to the host, one transfer per device."""
+        self.reduce()
+        by_device: dict[torch.device, list[_Arena]] = {}
+        for arena in self.reduced:
+            by_device.setdefault(arena.table.device, []).append(arena)
         self.reduced = []
-        for groups in by_device.values():
-            rows = torch.cat([group.table for group in groups]).cpu().tolist()
-            for group in groups:
-                group.rows, rows = rows[: len(group.table)], rows[len(group.table):]
-                if id(group) in matrices:  # reduced just now, on the fast path
-                    finish(matrices[id(group)], group.rows)
-                group.table = None
+        for arenas in by_device.values():
+            rows = torch.cat([arena.table for arena in arenas]).cpu().tolist()
+            start = 0
+            for arena in arenas:
+                arena.rows, start = rows[start : start + arena.used], start + arena.used
+                arena.table = None
 
 
-# Rows recorded per (device, dtype, shape) by the last log, to size the next log's groups.
+# Elements (padded) recorded per (device, dtype) by the largest log so far, to size the next log's arenas.
 _CAPACITY: dict[tuple, int] = {}
 
 
 class _PendingRow(tuple):
-    """``(pending, group, row)``: where a batched record's statistics will be (see :class:`_Pending`).
+    """``(pending, arena, i)``: where a batched record's statistics will be (see :class:`_Pending`).
 
     A type of its own, so that a record's source tells it from the plain tuple
     of values a hook computed, which is what nearly every record holds.
@@ -150,10 +200,10 @@ class _PendingRow(tuple):
 def _read_pending(src: _PendingRow) -> list[float]:
     """The statistics of a batched record; the first read of a log's brings all of
     its pending statistics to the host (one transfer per device)."""
-    pending, group, row = src
-    if group.rows is None:
+    pending, arena, i = src
+    if arena.rows is None:
         pending.read()
-    return group.rows[row]
+    return arena.rows[i]
 
 
 # Records read from a log's rows are built by _speedups.build_records (csrc/records.c), which fills the

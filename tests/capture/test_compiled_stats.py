@@ -222,3 +222,42 @@ def test_compiled_gradients_still_pair_with_their_calls():
     assert keys == [("lin", "grad_output", "", 0), ("lin", "output", "", 0), ("lin", "output", "", 1)]
     (grad,) = [r for r in log.records if r.kind == "grad_output"]
     assert_stats(grad.stats, plain_stats(grads[0]), "grad")
+
+
+def test_a_no_grad_graph_has_no_gradient_taps_and_grad_calls_still_get_them():
+    """Under no_grad nothing can reach a gradient tap, so a compiled graph leaves the ``tap`` ops (a copy
+    of each value) out; Dynamo guards on grad mode, so a call with grad compiles a graph that has them,
+    and its gradients are recorded (against plain tensor hooks on an un-instrumented copy). An exported
+    graph may run under another grad mode than it was traced in: it keeps them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    picklehooks.instrument(model)  # output + grad_output
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert "picklehooks.tap" not in ops_in_graph(model, x)
+    assert ops_in_graph(model, x).count("picklehooks.tap") == 3
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,))
+    assert sum("picklehooks.tap" in str(n.target) for n in exported.graph.nodes) == 3
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with picklehooks.record() as log:
+        with torch.no_grad():
+            compiled(x)
+        compiled(x).sum().backward()
+    grads = []
+
+    def hook_grad(module, args, output):
+        output.register_hook(lambda g: grads.append(g.clone()))
+
+    for m in plain:
+        m.register_forward_hook(hook_grad)
+    plain(x).sum().backward()
+    outputs = sorted((r.module, r.call) for r in log.records if r.kind == "output")
+    assert outputs == sorted((str(i), call) for i in range(3) for call in (0, 1))
+    got = {r.module: r for r in log.records if r.kind == "grad_output"}
+    assert sorted(got) == ["0", "1", "2"] and all(r.call == 1 for r in got.values())
+    for name, g in zip(["2", "1", "0"], grads):  # tensor hooks fire in backward order
+        assert_stats(got[name].stats, plain_stats(g), name)

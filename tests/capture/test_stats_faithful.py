@@ -47,15 +47,20 @@ class Masks(nn.Module):
 
 
 def reference(t: torch.Tensor) -> dict:
-    """Every statistic of ``t`` from plain PyTorch in float64."""
-    v = t.detach().to(torch.float64).flatten()
-    _, exponent = math.frexp(v.abs().max().item())
-    w = v * 2.0**-exponent  # exact: a power of two
+    """Every statistic of ``t`` from plain PyTorch in float64 (complex: the magnitudes torch computes
+    in its dtype), reduced scaled by a power of two (exact) where float64 sums of ``t`` would overflow."""
+    v = (t.abs() if t.is_complex() else t).to(torch.float64).flatten()
+    if not v.numel():
+        return dict(zip(STAT_NAMES, (math.nan,) * 6 + (0, 0, math.nan)))
+    absmax = v.abs().max().item()
+    exponent = math.frexp(absmax)[1] if math.isfinite(absmax) else 0
+    half = -exponent // 2  # in two steps: 2**1028 (for subnormal values) isn't a float64
+    w = v * 2.0**half * 2.0 ** (-exponent - half)
 
     def unscale(value: float) -> float:
         try:
             return math.ldexp(value, exponent)
-        except OverflowError:  # the true value is beyond float64 (a norm of float64 extremes)
+        except OverflowError:  # the true value is beyond float64's range
             return math.copysign(math.inf, value)
 
     return {
@@ -63,7 +68,7 @@ def reference(t: torch.Tensor) -> dict:
         "std": unscale(w.std(correction=0).item()),
         "min": v.min().item(),
         "max": v.max().item(),
-        "absmax": v.abs().max().item(),
+        "absmax": absmax,
         "norm": unscale(torch.linalg.vector_norm(w).item()),
         "n_nan": int(torch.isnan(v).sum()),
         "n_inf": int(torch.isinf(v).sum()),
