@@ -134,6 +134,7 @@ import argparse
 import copy
 import datetime
 import gc
+import math
 import os
 import statistics
 import sys
@@ -733,18 +734,20 @@ def compile_section(setup: Setup) -> None:
             C_EAGER: workload(copy.deepcopy(model), task, backward),
         }
         if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
-            variants[C_FLOOR] = statistics_floor(variants[C_BASE], compiled[False], backward)
+            variants[C_FLOOR] = statistics_floor(variants[C_BASE], compiled[False])
         times = measure(variants, setup, warmup=5)
         table(phase, times, C_BASE, setup, {}, summary=f"compile {'fwd+bwd' if backward else 'fwd'}")
 
 
-def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None],
-                     backward: bool) -> Callable[[], None]:
-    """``plain``, then the native statistics of fresh tensors shaped like every value one call of
-    ``instrumented`` records: what any recording costs on the CPU, however it is wired into a graph."""
+def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:
+    """``plain``, then the native statistics of tensors shaped like every value one call of
+    ``instrumented`` records (views of one random buffer, which keeps memory flat at real sizes):
+    what reading each value once costs on the CPU, however recording is wired in."""
     with picklehooks.record() as log:
         instrumented()
-    values = [torch.randn(r.shape) for r in log.records]
+    shapes = [r.shape for r in log.records if r.shape is not None]  # (not the values that aren't tensors)
+    buffer = torch.randn(max(math.prod(shape) for shape in shapes))
+    values = [buffer[: math.prod(shape)].view(shape) for shape in shapes]
     stats = picklehooks._native.stats
 
     def run() -> None:

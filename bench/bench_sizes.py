@@ -26,7 +26,11 @@ parameter and parameter gradient), the figure issue #30 targets for GPT-2
 small (≤ 1.05× on CPU, ≤ 1.10× on a GPU; the ResNet has no target: its
 activations are large against its compute, and reading them all, about 317M
 values a step at about 0.16 ns each, is 5% of its step by itself). Ratios are of thread CPU time on the CPU and of wall
-clock on a GPU (``--device cuda``), as in ``bench_logging.py``.
+clock on a GPU (``--device cuda``), as in ``bench_logging.py``. On the CPU a
+floor in the same run: the un-instrumented step, then the native statistics
+of as many values of the same shapes as "everything" records (views of one
+random buffer): the cost of reading each value once, which no recording of
+them can go below.
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ import picklehooks
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_logging import (  # noqa: E402
     BASE, QUIET, SUMMARY, Setup, Task, begin, checked_device, hf_task, instrumenting, measure, progress, recording,
-    summary, table, tensor_task, workload)
+    statistics_floor, summary, table, tensor_task, workload)
 
 EVERYTHING = ("input", "output", "grad_input", "grad_output", "param", "param_grad")
 DEFAULTS = "recording stats of instrument()'s defaults (+ reading them)"
 ALL = "recording stats of every input, output, gradient and parameter (+ reading them)"
+FLOOR = "un-instrumented, then the native statistics of as many values of the same sizes (floor of the row above)"
 TARGETS = {"cpu": {ALL: 1.05}, "cuda": {ALL: 1.10}}
 SECTIONS = ("gpt2", "resnet")
 
@@ -124,6 +129,12 @@ def section(label: str, short: str, task: Task, setup: Setup, targets: dict[str,
                 ALL: recording(run, read_stats=True)}
     installs = {QUIET: instrumenting(task), DEFAULTS: instrumenting(task),
                 ALL: instrumenting(task, capture=EVERYTHING)}
+    if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
+        undo = installs[ALL]()
+        try:
+            variants[FLOOR] = statistics_floor(run, run)
+        finally:
+            undo()
     counts = {}
     for name in (DEFAULTS, ALL):
         undo = installs[name]()
