@@ -80,7 +80,7 @@ class Rows(CallPairing):
         A CPU tensor's statistics come from one native pass over its memory
         (:mod:`picklehooks._native`), before any later in-place op can change
         it: no copy. Otherwise (another device, another dtype, no extension)
-        ``x`` is copied into a row of a batch that is reduced later, on its
+        ``x`` is copied into its dtype's arena, reduced later with the rest, on its
         device (:class:`_Pending`), with no host sync either way.
 
         Most records (statistics of a CPU tensor, or a copy alone) take ``_add_row``,
