@@ -25,9 +25,9 @@ statistics of everything (``capture=`` every input, output, gradient,
 parameter and parameter gradient), the figure issue #30 targets for GPT-2
 small (≤ 1.05× on CPU, ≤ 1.10× on a GPU; the ResNet has no target: its
 activations are large against its compute, and reading them all, about 317M
-values a step at about 0.16 ns each, is 5% of its step by itself). Ratios are of thread CPU time on the CPU and of wall
-clock on a GPU (``--device cuda``), as in ``bench_logging.py``. On the CPU a
-floor in the same run: the un-instrumented step, then the native statistics
+values a step at about 0.16 ns each, is 5% of its step by itself). Ratios
+are of thread CPU time on the CPU and of wall clock on a GPU (``--device
+cuda``), as in ``bench_logging.py``. On the CPU, a floor in the same run: the un-instrumented step, then the native statistics
 of as many values of the same shapes as "everything" records (views of one
 random buffer): the cost of reading each value once, which no recording of
 them can go below.
