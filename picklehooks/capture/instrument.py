@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import _hookrt, _ops
+from .. import _ops
 from ..serialize import codec
 from . import generate as _generate, hookdict as _hookdict, tree as _tree
 from .spec import CAPTURE_KINDS, check_capture as _check_capture, from_spec, select as _select, to_spec
@@ -57,8 +57,10 @@ _NAME_ATTR = "_picklehooks_name"
 # torch.jit.script calls a module's __prepare_scriptable__() first, where it has one: how a module
 # whose hooks TorchScript can't compile says so by name, instead of "Couldn't find method: 'forward'".
 _PREPARE_ATTR = "__prepare_scriptable__"
+#: What instrument() captures unless told otherwise.
+DEFAULT_CAPTURE = ("output", "grad_output")
 # instrument()'s settings as their defaults: what spec= may not be given beside.
-_DEFAULTS = {"modules": None, "depth": None, "capture": ("output", "grad_output"), "mode": "stats",
+_DEFAULTS = {"modules": None, "depth": None, "capture": DEFAULT_CAPTURE, "mode": "stats",
              "scriptable": False, "on_nonfinite": None, "profile": False}
 
 

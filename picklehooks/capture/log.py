@@ -332,7 +332,8 @@ class Recording:
     callback's may be when training dies) has no finaliser to run against a
     half-torn-down interpreter at exit. Entering checks the instrumented
     models for surgery (:mod:`picklehooks.capture.tree`); leaving a block in
-    which no instrumented module ran warns (a model whose hooks a loader dropped).
+    which nothing was recorded warns (a model whose hooks a loader dropped, or one that
+    captures only gradients run without a backward pass).
     """
 
     __slots__ = ("log", "_token", "_mark")
@@ -366,10 +367,12 @@ class Recording:
                 log.flush()
         if exc_type is None and _made(log) == self._mark:
             warnings.warn(
-                "nothing was recorded in this record() block: no instrumented module ran. A model made by "
-                "from_pretrained() or torch.load of a state dict has none of the hooks the saved model had; "
-                "attach them with picklehooks.load_hooks(model, path, trust=...) or "
-                "picklehooks.instrument(model, spec=...)", UserWarning, stacklevel=2)
+                "nothing was recorded in this record() block: no instrumented module recorded a value in it. "
+                "A model made by from_pretrained() or torch.load of a state dict has none of the hooks the "
+                "saved model had; attach them with picklehooks.load_hooks(model, path, trust=...) or "
+                "picklehooks.instrument(model, spec=...). A model that captures only gradients records "
+                "nothing in a block without a backward pass (a forward under no_grad, say)",
+                UserWarning, stacklevel=2)
 
 
 def _made(log: Log) -> tuple:

@@ -44,7 +44,7 @@ from .. import _state
 from .._deliver import NonfiniteError, record_tensor
 from .._shim import PicklehooksError
 from ..capture import tree as _tree
-from ..capture.instrument import _NAME_ATTR, MODES, _check_capture, _select, instrument
+from ..capture.instrument import _NAME_ATTR, DEFAULT_CAPTURE, MODES, _check_capture, _select, instrument
 from ..capture.log import STAT_NAMES, Log
 from ..capture.record import _record_from_row
 
@@ -56,7 +56,6 @@ TAG_PREFIX = "picklehooks"
 #: the squared norms). Every kind also gets ``nonfinite`` (NaN and Inf counted) when it isn't 0.
 SUMMARY_STATS = {"input": ("absmax",), "output": ("absmax", "norm"), "grad_input": ("norm",),
                  "grad_output": ("norm",), "param": ("norm",), "buffer": ("absmax",), "param_grad": ("norm",)}
-_DEFAULT_CAPTURE = ("output", "grad_output")
 
 
 def summaries(records: Iterable) -> dict[str, float]:
@@ -102,7 +101,7 @@ class StepRecorder:
             raise PicklehooksError(
                 f"{sorted(unknown)}: not arguments a training callback can pass to instrument(); it takes "
                 "modules, depth, capture, mode, on_nonfinite and profile (the trainer's model is eager)")
-        kinds = _check_capture(instrument_args.get("capture", _DEFAULT_CAPTURE))  # bad input fails here, not in fit
+        kinds = _check_capture(instrument_args.get("capture", DEFAULT_CAPTURE))  # bad input fails here, not in fit
         self.param_grad = "param_grad" in kinds
         self.instrument_args = {**instrument_args, "capture": tuple(k for k in kinds if k != "param_grad")}
         mode = instrument_args.get("mode", "stats")

@@ -358,6 +358,22 @@ class TestNothingRecorded:
                 model(input_ids=IDS)
         assert len(log.records) > 0 and not said(w, NOTHING)
 
+    def test_a_gradient_only_model_without_backward_is_told_why(self):
+        """Hooks that ran but had nothing to record (gradients only, a no_grad forward): the warning
+        names that case too, and a backward in the block records without one."""
+        model = llama()
+        picklehooks.instrument(model, capture="grad_output")
+        with caught() as w:
+            with torch.no_grad(), picklehooks.record() as log:
+                model(input_ids=IDS)
+        assert len(log.records) == 0
+        [message] = said(w, NOTHING)
+        assert "captures only gradients" in message and "no_grad" in message
+        with caught() as w:
+            with picklehooks.record() as log:
+                model(input_ids=IDS, labels=IDS).loss.backward()
+        assert len(log.records) > 0 and not said(w, NOTHING)
+
     def test_a_block_left_by_an_exception_does_not_warn(self):
         """The exception says what went wrong; no warning is added to it."""
         with caught() as w, pytest.raises(ZeroDivisionError):
