@@ -7,8 +7,11 @@
 # the benchmarks with --device cuda: the tiny models (bench_logging.py) and the GPT-2-small-sized
 # and ResNet-18-sized ones (bench_sizes.py). Each step has its own time limit, so a slow one
 # leaves the others' files; the whole takes about 8 minutes on an H100. Where `zstandard` isn't
-# importable it is installed from the wheels in .whl/ (a folder .git/info/exclude ignores; carry
-# it: the machine reaches no package index).
+# importable it is installed from the wheels in .whl/, a folder to fill here first and carry (the
+# machine reaches no package index; the H100 of an earlier session had Python 3.12):
+#
+#   echo /.whl/ >> .git/info/exclude
+#   .venv/bin/pip download zstandard --only-binary=:all: --python-version 3.12 --no-deps -d .whl
 set -uo pipefail
 out=${1:-/tmp/picklehooks-gpu}
 mkdir -p "$out"
