@@ -43,8 +43,9 @@ Sections (``--only`` takes a comma-separated subset; default all):
   fused reductions; the default elsewhere; each call sets the switch, on
   which Dynamo guards). Each variant is its own ``nn.Sequential`` subclass,
   so Dynamo can't reuse another's graph. A floor in the same run: the
-  compiled plain model followed by the native statistics of as many fresh
-  tensors as one call records, of the same shapes (CPU, with the extension).
+  compiled plain model followed by the native statistics of as many values
+  as one call records, of the same shapes (views of one random buffer; CPU,
+  with the extension).
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
