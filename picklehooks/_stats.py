@@ -66,14 +66,22 @@ def _as_real(x: torch.Tensor) -> torch.Tensor:
     return (x.abs() if x.is_complex() else x).to(compute_dtype(x.dtype))
 
 
+def _count_true(flags: torch.Tensor) -> torch.Tensor:
+    """The True values along the last dimension (:data:`PAD` wide) of a contiguous bool tensor.
+
+    One byte per flag, summed four at a time as int32 lanes: a lane sums at
+    most PAD / 4 = 64 bytes of 0 or 1, so none carries into the next, and
+    there is no int64 copy of the flags, which summing them as they are would make.
+    """
+    words = flags.view(torch.int32).sum(-1, dtype=torch.int32)
+    return words.view(torch.uint8).view(*words.shape, 4).sum(-1)
+
+
 def _count_nonzero(x: torch.Tensor) -> torch.Tensor:
     """Non-zero elements per row of a float32/float64 matrix (NaN and Inf count as non-zero)."""
     rows, width = x.shape
     if width % PAD == 0 and x.is_contiguous():
-        # One byte per element, summed four at a time: as int32 lanes, 64 words
-        # hold at most 64 per byte lane, so no lane carries into the next.
-        words = x.bool().view(torch.int32).view(rows, width // PAD, PAD // 4)
-        return words.sum(2, dtype=torch.int32).view(torch.uint8).view(rows, -1).sum(1, dtype=torch.int32)
+        return _count_true(x.bool().view(rows, width // PAD, PAD)).sum(1, dtype=torch.int32)
     int_dtype, mask = _BITS[x.dtype]
     return x.view(int_dtype).bitwise_and(mask).clamp_(max=1).sum(1, dtype=int_dtype)
 
@@ -159,17 +167,6 @@ def tensor_stats(x: torch.Tensor) -> list[float]:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _count_true(flags: torch.Tensor) -> torch.Tensor:
-    """The True values along the last dimension (:data:`PAD` wide) of a contiguous bool tensor.
-
-    As in :func:`_count_nonzero`, one byte per flag summed four at a time as
-    int32 lanes (at most 64 per byte lane): no int64 copy of the flags, which
-    summing them as they are would make.
-    """
-    words = flags.view(torch.int32).sum(-1, dtype=torch.int32)
-    return words.view(torch.uint8).view(*words.shape, 4).sum(-1)
 
 
 def segment_stats(data: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
