@@ -19,11 +19,15 @@ call no other). The figure that matters is kernels per record.
 
 Counts, not times: they are the same on any host. Limits: a GPU runs some
 operators as several kernels, and the count includes the read's reductions,
-which a GPU pays once per log and dtype, not per record.
+which a GPU pays once per log and dtype, not per record. ``--device cuda``
+checks the proxy where it matters: the same models on the GPU, counting the
+kernels (and memory copies and sets) the profiler sees the device run, beside
+the CPU-side proxy of the same step.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -31,6 +35,7 @@ import sys
 os.environ["PICKLEHOOKS_NATIVE"] = "0"  # the non-CPU path, on the CPU
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import picklehooks  # noqa: E402
@@ -81,13 +86,36 @@ def leaf_aten_ops(step) -> tuple[int, int]:
     return leaves, kernels
 
 
+def device_kernels(step) -> int:
+    """What ``step()`` makes the GPU run, as the profiler sees it: kernels, memory copies and sets
+    (each a launch). Where this torch build reports no device events, the CUDA runtime's launch
+    calls are counted instead."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    on_device = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+    if on_device:
+        return on_device
+    return sum(1 for e in events if e.name.startswith(("cudaLaunchKernel", "cudaMemcpy", "cudaMemset")))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default: the proxy alone) or cuda[:N] "
+                        "(the same models on the GPU: kernels counted on the device beside the proxy)")
+    device = torch.device(parser.parse_args().device)
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {device}: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available in this torch build or on this machine")
     assert not picklehooks._native.AVAILABLE, "PICKLEHOOKS_NATIVE=0 must switch the native pass off"
     torch.manual_seed(0)
     rows = []
     for label, make in (("MLP (36 modules, batch 32)", make_mlp),
                         ("Transformer (2 encoder layers, d_model 64, batch 8 x 16)", make_transformer)):
         model, x = make()
+        model, x = model.to(device), x.to(device)
 
         def plain():
             model(x).sum().backward()
@@ -106,21 +134,30 @@ def main() -> None:
             warm()
         handle.remove()
         base = leaf_aten_ops(plain)
+        base_device = device_kernels(plain) if device.type == "cuda" else None
         picklehooks.instrument(model)
         recorded = leaf_aten_ops(recording)
+        recorded_device = device_kernels(recording) if device.type == "cuda" else None
         n = records[-1]
-        rows.append((label, n, base, recorded))
+        rows.append((label, n, base, recorded, base_device, recorded_device))
     print("### Operator launches per record (the GPU path, counted on the CPU)\n")
-    print(f"torch {torch.__version__}; `PICKLEHOOKS_NATIVE=0`; aten operators per forward+backward, "
+    where = f"on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "on the CPU"
+    print(f"torch {torch.__version__}, {where}; `PICKLEHOOKS_NATIVE=0`; aten operators per forward+backward, "
           "recording statistics of every output and output gradient (`instrument()`'s defaults) and reading them.\n")
     print("| model | records | kernels: un-instrumented | kernels: recording | kernels per record "
           "| leaf ops: un-instrumented | leaf ops: recording | leaf ops per record |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, n, (base, base_k), (recorded, recorded_k) in rows:
+    for label, n, (base, base_k), (recorded, recorded_k), _, _ in rows:
         print(f"| {label} | {n} | {base_k} | {recorded_k} | {(recorded_k - base_k) / n:.2f} "
               f"| {base} | {recorded} | {(recorded - base) / n:.1f} |")
     print("\nKernels: operators that run one and call none that does (views, metadata and allocations "
           "run none; see `launches_kernel`); leaf ops: operators that call no other.")
+    if device.type == "cuda":
+        print("\n#### Launches the GPU ran (torch.profiler, CUDA activity)\n")
+        print("| model | records | un-instrumented | recording | launches per record |")
+        print("|---|---:|---:|---:|---:|")
+        for label, n, _, _, base_device, recorded_device in rows:
+            print(f"| {label} | {n} | {base_device} | {recorded_device} | {(recorded_device - base_device) / n:.2f} |")
 
 
 if __name__ == "__main__":

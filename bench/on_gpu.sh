@@ -4,9 +4,12 @@
 #   bash bench/on_gpu.sh "$OUT"        # from the repository root, on the GPU machine
 #
 # Builds the C extension there, runs tests/runtime/test_gpu.py (no host sync while recording) and
-# the benchmarks with --device cuda: the tiny models (bench_logging.py) and the GPT-2-small-sized
-# and ResNet-18-sized ones (bench_sizes.py). Each step has its own time limit, so a slow one
-# leaves the others' files; the whole takes about 8 minutes on an H100. Where `zstandard` isn't
+# tests/capture/test_pending_arena.py (the arenas' statistics against float64 PyTorch, on the GPU), then
+# the benchmarks with --device cuda, most wanted first: the GPT-2-small-sized and ResNet-18-sized
+# models (bench_sizes.py), the launches the GPU runs per record (bench_launches.py), the tiny models
+# (bench_logging.py), where the host time goes (profile_record.py) and the compiled MLP (its compile
+# section). Each step has its own time limit, so a slow one leaves the others' files (8 in all, the
+# most a run brings back); the whole takes about 5 minutes on an H200. Where `zstandard` isn't
 # importable it is installed from the wheels in .whl/, a folder to fill here first and carry (the
 # machine reaches no package index; the H100 of an earlier session had Python 3.12):
 #
@@ -15,15 +18,24 @@
 set -uo pipefail
 out=${1:-/tmp/picklehooks-gpu}
 mkdir -p "$out"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+errors="$out/errors.txt"
 if ! python3 -c "import zstandard" 2>/dev/null; then
-    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    # Into the environment, not a --target folder: tests start fresh interpreters without PYTHONPATH.
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 fi
-python3 setup.py build_ext --inplace -q > "$out/build.txt" 2>&1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt"
-timeout 180 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/runtime/test_gpu.py > "$out/test_gpu.txt" 2>&1
-command="bench/bench_logging.py --device cuda --rounds 7 --only mlp,transformer,hf --no-torchlens"
-{ echo "<!-- \$ python $command -->"; timeout 240 python3 $command; } > "$out/logging_cuda.md" 2> "$out/logging_cuda.err"
-command="bench/bench_sizes.py --device cuda --rounds 5"
-{ echo "<!-- \$ python $command -->"; timeout 150 python3 $command; } > "$out/sizes_cuda.md" 2> "$out/sizes_cuda.err"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  python3 setup.py build_ext --inplace -q 2>&1; } > "$out/setup.txt"
+timeout 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/runtime/test_gpu.py tests/capture/test_pending_arena.py > "$out/test_gpu.txt" 2>&1
+bench() {  # bench NAME SECONDS SCRIPT ARGS...: $out/NAME.md, headed by the command as bench/results/ wants it
+    local name=$1 limit=$2; shift 2
+    echo "== $name" >> "$errors"
+    { echo "<!-- \$ python $* -->"; timeout "$limit" python3 "$@"; } > "$out/$name.md" 2>> "$errors"
+}
+bench sizes_cuda 120 bench/bench_sizes.py --device cuda --rounds 5
+bench launches_cuda 60 bench/bench_launches.py --device cuda
+bench profile_cuda 150 bench/profile_record.py --device cuda
+bench logging_cuda 120 bench/bench_logging.py --device cuda --rounds 5 --only mlp,transformer,hf --no-torchlens
+bench compile_cuda 150 bench/bench_logging.py --device cuda --rounds 5 --only compile --no-torchlens
 exit 0

@@ -45,9 +45,9 @@ EMPTY = (math.nan,) * 6 + (0, 0, math.nan)
 # Float32 rows are converted to float64 this many elements at a time.
 _BLOCK = 1 << 18
 # segment_stats converts its chunks to float64 in blocks of at least this many elements, and at
-# most _SEGMENT_BLOCKS of them: each block costs a fixed number of kernels, and its float64 copy
-# is the working memory (32 MiB, or an eighth of a buffer of more than 32M elements).
-_SEGMENT_BLOCK, _SEGMENT_BLOCKS = 1 << 22, 8
+# most _SEGMENT_BLOCKS of them: each block costs a fixed number of kernels (about 20), and its
+# float64 copy is the working memory (128 MiB, or an eighth of a buffer of more than 128M elements).
+_SEGMENT_BLOCK, _SEGMENT_BLOCKS = 1 << 24, 8
 # Reinterpreted as integers, a float is +-0 exactly when its bits, sign
 # masked off, are 0; NaN and Inf are non-zero, as they should be.
 #: Chunk width (in elements) of segment_stats' buffers, which also makes counting zeros fast.
@@ -178,7 +178,7 @@ def segment_stats(data: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor
     (non-empty: an empty tensor has no chunk to take statistics from).
     ``segment`` and ``valid`` are int64, ``sizes`` float64, all on ``data``'s
     device. The kernels are a fixed number per block of chunks (one block
-    up to 4M elements, at most :data:`_SEGMENT_BLOCKS`), however many
+    up to 16M elements, at most :data:`_SEGMENT_BLOCKS`), however many
     tensors and shapes; nothing waits for the device.
 
     A pass over the chunks in float64 gives each chunk's min and max (the
@@ -198,22 +198,31 @@ def segment_stats(data: torch.Tensor, segment: torch.Tensor, valid: torch.Tensor
     # Only float64 values can overflow float64 sums (float32's largest squared is about 1e77).
     scaled = x.dtype in (f64, torch.complex128)
 
-    def widened(a: int, b: int, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunks ``a:b`` in float64, times the column ``scale`` if given: in ``buffer`` (every block
-        reuses it) unless they are float64 already and unscaled."""
-        real = x[a:b].abs() if x.is_complex() else x[a:b]  # complex values by their magnitude
+    def magnitudes(a: int, b: int) -> torch.Tensor:
+        """Chunks ``a:b`` as real values: complex ones by their magnitude, in their own precision as
+        elsewhere (:func:`_as_real`)."""
+        return x[a:b].abs() if x.is_complex() else x[a:b]
+
+    def widened(a: int, b: int, scale: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunks ``a:b`` (or their ``real`` magnitudes) in float64, times the column ``scale`` if given:
+        in ``buffer`` (every block reuses it) unless they are float64 already and unscaled."""
+        real = magnitudes(a, b) if real is None else real
         if scale is not None:
             return torch.mul(real, scale[a:b], out=buffer[: b - a])
         return real if real.dtype == f64 else buffer[: b - a].copy_(real)
 
     partial = []
     for a, b in blocks:
-        y = widened(a, b)
-        # For min and max the padding repeats the chunk's first element, which is always a value.
-        lo, hi = torch.aminmax(torch.where(lanes < valid[a:b, None], y, y[:, :1]), dim=1)
-        counts = _count_true(torch.stack([y != 0, torch.isnan(y), torch.isinf(y)], dim=1))
-        columns = [lo[:, None], hi[:, None], counts]
-        if not scaled:  # y is the buffer: squared in place, last
+        real = magnitudes(a, b)
+        # Min, max and the counts are exact in a float's own dtype: taken there, they read the chunks at
+        # their width, not float64's. For min and max the padding repeats the chunk's first element,
+        # which is always a value.
+        r = real if real.is_floating_point() else widened(a, b, real=real)
+        lo, hi = torch.aminmax(torch.where(lanes < valid[a:b, None], r, r[:, :1]), dim=1)
+        counts = _count_true(torch.stack([r != 0, torch.isnan(r), torch.isinf(r)], dim=1))
+        columns = [lo[:, None], hi[:, None], counts]  # torch.cat promotes them to float64
+        if not scaled:  # y is a float64 copy or the buffer: squared in place, last
+            y = r if r.dtype == f64 else widened(a, b, real=real)
             columns += [y.sum(1, keepdim=True), y.square_().sum(1, keepdim=True)]
         partial.append(torch.cat(columns, dim=1))
     partial = _cat(partial)

@@ -47,7 +47,16 @@ _range_exit = torch.ops.picklehooks.range_exit
 # None under an older picklehooks on the host of a torch.package archive made by this version.
 _graph_site = getattr(_ops, "graph_site", None)
 _is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (new in torch 2.6)
+
+
+def _is_exporting() -> bool:
+    """Whether ``torch.export`` is tracing, by the flag it sets, read here rather than through
+    ``torch.compiler.is_exporting()``: Dynamo before torch 2.13 answers that call with True under
+    any ``torch.compile`` trace (2.13 reads this flag), which kept a copy per value in compiled
+    ``no_grad`` graphs on torch 2.11. A torch without the flag has no ``is_exporting`` either."""
+    return getattr(torch.compiler, "_is_exporting_flag", False)
+
+
 _is_jit_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its is_scripting() call
 _RECORDING = _state._ANYWHERE  # logs recording in any thread (one list for the process)
 _active_log = _state._ACTIVE.get  # the log recording in this context (the host's, inside an archive)

@@ -45,6 +45,14 @@ def test_launch_count_bench_prints_a_count_per_record():
         assert int(base_k) < int(base) and int(recorded_k) < int(recorded) and float(per_k) <= float(per)
 
 
+def test_profile_prints_where_a_recording_step_spends():
+    """The diagnostic's eager step: its Python functions (the forward hook among them) and its operators."""
+    out = run("profile_record.py", "--no-compile")
+    assert out.count("### ") == 1 and "eager, recording statistics" in out, out
+    assert re.search(r"^\s+720\s.*_hookrt\.py:\d+\(forward\)", out, flags=re.M), out  # 36 hooks x 20 calls
+    assert "Self CPU time total" in out, out
+
+
 @pytest.mark.skipif(not _native.AVAILABLE, reason="the microbenchmark times the native path")
 def test_record_path_microbench_prints_every_piece():
     out = run("bench_record_path.py", "--rounds", "2", "--calls", "20")

@@ -4,10 +4,12 @@ A record whose statistics can't be computed at once (a tensor on another
 device, a dtype the native pass doesn't read, no extension) is copied into
 a segment of a preallocated buffer per (device, dtype): an :class:`_Arena`.
 Recording is that one copy. The log's :class:`_Pending` reduces every arena
-the first time any record's statistics are read, or once the copies pass
-:data:`PENDING_BYTES`, with :func:`~picklehooks._stats.segment_stats`: a
-fixed number of kernels per arena, however many shapes were recorded, and
-one host-to-device transfer of the arena's layout (which chunk is whose).
+the first time any record's statistics are read, and before a copy that
+would pass :data:`PENDING_BYTES` the arenas holding a sixteenth of it or
+more, with :func:`~picklehooks._stats.segment_stats`: a fixed number of
+kernels per arena and block, however many shapes were recorded, and one
+host-to-device transfer of the arena's layout, one entry per record (the
+device works out which chunk is whose).
 All tables come to the host in one transfer per device: no host
 synchronisation per hook, and none before the first read.
 
@@ -25,6 +27,7 @@ it in memory.
 from __future__ import annotations
 
 from array import array
+from itertools import accumulate
 
 import torch
 
@@ -32,8 +35,10 @@ from .._stats import EMPTY, PAD, segment_stats
 
 __all__ = ["PENDING_BYTES"]
 
-#: Bytes of recorded copies a log keeps for batched statistics before reducing them.
-PENDING_BYTES = 64 << 20
+#: Bytes of recorded copies a log keeps for batched statistics before reducing them. Each reduction
+#: costs a fixed number of kernels (a few dozen per 4M-element block, at most 8 blocks): recording
+#: every value of a GPT-2-small step copies about 1.4 GB, six reductions at this size.
+PENDING_BYTES = 256 << 20
 
 # Elements an arena holds at least: a log's first arena of a dtype starts here, not at one tensor's size.
 _MIN_ARENA = 1 << 16
@@ -79,19 +84,24 @@ class _Arena:
         return row
 
     def reduce(self) -> None:
-        """Compute the table on the device (no sync) and release the buffer."""
-        segment: list[int] = []  # per chunk: its record
-        valid: list[int] = []  # per chunk: the record's values in it
-        for i, n in enumerate(self.sizes):
-            full, rest = divmod(n, PAD)
-            segment += [i] * (full + (rest > 0))
-            valid += [PAD] * full + [rest] * (rest > 0)
-        chunks = len(segment)
-        # One transfer: the chunks' segments and counts as int64, then the sizes as float64 (their bytes).
-        host = bytearray(array("q", segment + valid).tobytes() + array("d", self.sizes).tobytes())
+        """Compute the table on the device (no sync) and release the buffer.
+
+        The host sends what it knows per record, in one transfer: where each record's chunks end,
+        its last chunk and the values in it, its size. The per-chunk layout that
+        :func:`segment_stats` reads is built from that on the device, so the host's work is per
+        record, not per chunk (a GPT-2-small step records ~1.4M chunks)."""
+        sizes, r = self.sizes, len(self.sizes)
+        ends = list(accumulate(-(-n // PAD) for n in sizes))
+        last = [e - 1 for e in ends]
+        rest = [n - (e - b) * PAD + PAD for n, b, e in zip(sizes, [0, *ends], ends)]  # values in the last chunk
+        host = bytearray(array("q", ends + last + rest).tobytes() + array("d", sizes).tobytes())
         layout = _to_device(torch.frombuffer(host, dtype=torch.int64), self.data.device)
-        self.table = segment_stats(self.data[: chunks * PAD], layout[:chunks], layout[chunks : 2 * chunks],
-                                   layout[2 * chunks :].view(torch.float64))
+        chunks, device = ends[-1], self.data.device
+        # Chunk c is record i's when ends[i - 1] <= c < ends[i]; every chunk is full but each record's last.
+        segment = torch.searchsorted(layout[:r], torch.arange(chunks, device=device), right=True)
+        valid = torch.full((chunks,), PAD, dtype=torch.int64, device=device).index_copy_(0, layout[r : 2 * r],
+                                                                                        layout[2 * r : 3 * r])
+        self.table = segment_stats(self.data[: chunks * PAD], segment, valid, layout[3 * r :].view(torch.float64))
         self.data = self.sizes = None
 
 
@@ -139,6 +149,11 @@ class _Pending:
         key = (x.device, x.dtype)
         n = x.numel()
         padded = n + -n % PAD
+        nbytes = n * x.element_size()
+        if self.bytes and self.bytes + nbytes > PENDING_BYTES:
+            # Reduce before this copy, not after: a new arena started for it would be allocated
+            # (and zeroed) at full size only to be reduced at the next copy.
+            self.reduce(small=False)
         seen = self.seen[key] = self.seen.get(key, 0) + padded
         arena = self.filling.get(key)
         if arena is None or arena.end + padded > len(arena.data):
@@ -150,9 +165,7 @@ class _Pending:
             self.unreduced.append(arena)
         row = arena.add(x)
         _CAPACITY[key] = max(seen, _CAPACITY.get(key, 0))
-        self.bytes += n * x.element_size()
-        if self.bytes > PENDING_BYTES:
-            self.reduce()
+        self.bytes += nbytes
         return arena, row
 
     def add_table(self, stats: torch.Tensor) -> _Arena:
@@ -161,12 +174,18 @@ class _Pending:
         self.reduced.append(arena)
         return arena
 
-    def reduce(self) -> None:
-        """Turn every arena's copies into a table on its device (no sync)."""
+    def reduce(self, small: bool = True) -> None:
+        """Turn the arenas' copies into tables on their devices (no sync). Without ``small``, an arena
+        holding under a sixteenth of :data:`PENDING_BYTES` keeps filling: a reduction's kernels are
+        a fixed number per arena, and the few integer values a model records (token ids, positions)
+        would pay them at every reduction of its float activations."""
+        kept = [] if small else [a for a in self.unreduced if a.end * a.data.element_size() < PENDING_BYTES // 16]
         for arena in self.unreduced:
-            arena.reduce()
-        self.reduced += self.unreduced
-        self.filling, self.unreduced, self.bytes = {}, [], 0
+            if arena not in kept:
+                arena.reduce()
+                self.reduced.append(arena)
+        self.filling = {key: arena for key, arena in self.filling.items() if arena in kept}
+        self.unreduced, self.bytes = kept, sum(a.end * a.data.element_size() for a in kept)
 
     def read(self) -> None:
         """Bring every table to the host, one transfer per device."""

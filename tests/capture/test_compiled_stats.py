@@ -224,6 +224,23 @@ def test_compiled_gradients_still_pair_with_their_calls():
     assert_stats(grad.stats, plain_stats(grads[0]), "grad")
 
 
+class _ExportOrCompile(nn.Module):
+    def forward(self, x):
+        return x + 1 if picklehooks._taps._is_exporting() else x - 1
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_the_taps_tell_export_from_compile(strict):
+    """Only torch.export counts as exporting. Dynamo before torch 2.13 answered
+    ``torch.compiler.is_exporting()`` with True in any compiled graph, which kept a copy per value in
+    compiled ``no_grad`` graphs (seen on torch 2.11 with CUDA)."""
+    x = torch.zeros(2)
+    torch._dynamo.reset()
+    assert torch.compile(_ExportOrCompile(), fullgraph=True)(x).tolist() == [-1, -1]
+    assert torch.export.export(_ExportOrCompile(), (x,), strict=strict).module()(x).tolist() == [1, 1]
+    assert _ExportOrCompile()(x).tolist() == [-1, -1]
+
+
 def test_a_no_grad_graph_has_no_gradient_taps_and_grad_calls_still_get_them():
     """Under no_grad nothing can reach a gradient tap, so a compiled graph leaves the ``tap`` ops (a copy
     of each value) out; Dynamo guards on grad mode, so a call with grad compiles a graph that has them,

@@ -92,19 +92,26 @@ def check(got: dict, want: dict, what) -> None:
             assert g == pytest.approx(w, rel=1e-9, abs=slack), (what, name, g, w)
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("budget", [None, 4096], ids=["reduced-when-read", "reduced-while-recording"])
-def test_statistics_match_float64(budget, monkeypatch):
+def test_statistics_match_float64(budget, device, monkeypatch):
     """One log of every shape and dtype: each record's statistics are those of its own tensor in
     float64, and its kept tensor is its value; with a small PENDING_BYTES the arenas are reduced
-    while the log records (several reductions before the first read) and it's the same."""
-    use_pytorch_stats(monkeypatch)
+    while the log records (several reductions before the first read) and it's the same. On the
+    CPU the native pass is switched off to take this path; a GPU takes it anyway, through the
+    same hooks as in use (the C ones where built)."""
+    if device == "cpu":
+        use_pytorch_stats(monkeypatch)
     reductions = []
     real = picklehooks.capture.pending.segment_stats
     monkeypatch.setattr(picklehooks.capture.pending, "segment_stats",
                         lambda *args: reductions.append(1) or real(*args))
     if budget is not None:
         monkeypatch.setattr(picklehooks.capture.pending, "PENDING_BYTES", budget)
-    model, tensors = Emit(), values()
+    model, tensors = Emit(), [t.to(device) for t in values()]
     picklehooks.instrument(model, capture="output", mode="both")
     with picklehooks.record() as log:
         model(tensors)
@@ -113,7 +120,37 @@ def test_statistics_match_float64(budget, monkeypatch):
     assert len(log.records) == len(tensors)
     for i, (rec, t) in enumerate(zip(log.records, tensors)):
         torch.testing.assert_close(rec.tensor, t, rtol=0, atol=0, equal_nan=True)
+        # On its device: a complex value's magnitude is the one that device's torch computes in its dtype.
         check(rec.stats, reference(t), (i, t.dtype, tuple(t.shape)))
+
+
+def test_a_budget_reduces_full_arenas_before_a_copy_and_leaves_small_ones_filling(monkeypatch):
+    """Past PENDING_BYTES the log reduces before the copy that would pass it (an arena started for
+    that copy would be allocated only to be reduced at the next), and only arenas holding a sixteenth
+    of the budget or more: a few token ids recorded beside large activations are reduced once, when
+    read, not at each reduction of the activations. The statistics stay those of each tensor."""
+    use_pytorch_stats(monkeypatch)
+    monkeypatch.setattr(picklehooks.capture.pending, "PENDING_BYTES", 1 << 20)
+    reduced = []
+    real = picklehooks.capture.pending.segment_stats
+    monkeypatch.setattr(picklehooks.capture.pending, "segment_stats",
+                        lambda data, segment, valid, sizes: reduced.append((data.dtype, len(sizes)))
+                        or real(data, segment, valid, sizes))
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for _ in range(20):
+        tensors += [torch.randn(1 << 16, generator=g), torch.randint(0, 50000, (8,), generator=g)]
+    model = Emit()
+    picklehooks.instrument(model, capture="output")
+    with picklehooks.record() as log:
+        model(tensors)
+        during = list(reduced)
+    # 256 KiB of float32 each: three fit beside the token ids, the fourth would pass 1 MiB. The ids'
+    # arena (its copies padded to 256 values: 40 KiB at the end) stays under a sixteenth of it.
+    assert during == [(torch.float32, 3)] * 6, during
+    for i, (rec, t) in enumerate(zip(log.records, tensors)):
+        check(rec.stats, reference(t), (i, t.dtype))
+    assert sorted(reduced[len(during):], key=str) == [(torch.float32, 2), (torch.int64, 20)], reduced
 
 
 # Kernel-launching operators that recording and reading run, counted in a fresh interpreter
