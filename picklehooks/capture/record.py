@@ -78,12 +78,16 @@ def _renamed(row: dict) -> dict:
             for k, v in row.items()}
 
 
+if STAT_NAMES != ("mean", "std", "min", "max", "absmax", "norm", "n_nan", "n_inf", "zero_frac"):
+    raise RuntimeError(f"_stats_dict unpacks the statistics by position; update it for {STAT_NAMES}")
+
+
 def _stats_dict(shape: tuple, dtype: str, values) -> dict:
-    stats = Stats(shape=shape, dtype=dtype)
-    stats.update(zip(STAT_NAMES, values))
-    for name in _COUNTS:
-        stats[name] = int(stats[name])
-    return stats
+    # Unpacked and passed by keyword: about half the time of update(zip(...)), on a path that runs
+    # once per record read (a tenth of a tiny model's recording overhead was these dicts).
+    mean, std, lo, hi, absmax, norm, nan, inf, zero_frac = values
+    return Stats(shape=shape, dtype=dtype, mean=mean, std=std, min=lo, max=hi, absmax=absmax, norm=norm,
+                 n_nan=int(nan), n_inf=int(inf), zero_frac=zero_frac)
 
 
 
