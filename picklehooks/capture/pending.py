@@ -54,10 +54,11 @@ class _Arena:
     a record's statistics are row ``i`` of the table (``rows`` once read).
     """
 
-    __slots__ = ("data", "end", "sizes", "used", "table", "rows")
+    __slots__ = ("data", "capacity", "end", "sizes", "used", "table", "rows")
 
     def __init__(self, like: torch.Tensor, capacity: int) -> None:
         self.data = torch.zeros(capacity, dtype=like.dtype, device=like.device)
+        self.capacity = capacity  # len(self.data), which is a Python method of Tensor: about 1 µs
         self.end = 0  # elements taken, a multiple of PAD
         self.sizes: list[int] = []  # elements of each record, in order
         self.used = 0
@@ -69,14 +70,15 @@ class _Arena:
         """An arena of one record whose statistics were computed elsewhere (a compiled graph, or none to compute)."""
         arena = cls.__new__(cls)
         arena.data = arena.sizes = arena.rows = None
-        arena.end, arena.used, arena.table = 0, 1, table.view(1, -1)
+        arena.capacity, arena.end, arena.used, arena.table = 0, 0, 1, table.view(1, -1)
         return arena
 
     def add(self, x: torch.Tensor) -> torch.Tensor:
         """Copy ``x`` (non-empty, fitting) into the next segment; return the copy, shaped like ``x``."""
         n = x.numel()
         # One view op, not a slice and a view: the hook's time on the host is per operator.
-        row = self.data.as_strided(x.shape, _contiguous_strides(x.shape), self.end)
+        strides = x.stride() if x.is_contiguous() else _contiguous_strides(x.shape)
+        row = self.data.as_strided(x.shape, strides, self.end)
         row.copy_(x)
         self.end += n + -n % PAD
         self.sizes.append(n)
@@ -156,10 +158,10 @@ class _Pending:
             self.reduce(small=False)
         seen = self.seen[key] = self.seen.get(key, 0) + padded
         arena = self.filling.get(key)
-        if arena is None or arena.end + padded > len(arena.data):
+        if arena is None or arena.end + padded > arena.capacity:
             # A model records the same tensors every step: size the arena for what the largest log
             # recorded, and grow fourfold while that isn't enough; past PENDING_BYTES only to fit x.
-            capacity = max(_CAPACITY.get(key, 0), 4 * len(arena.data) if arena else 0, _MIN_ARENA)
+            capacity = max(_CAPACITY.get(key, 0), 4 * arena.capacity if arena else 0, _MIN_ARENA)
             capacity = max(padded, min(capacity, PENDING_BYTES // x.element_size()))
             arena = self.filling[key] = _Arena(x, capacity + -capacity % PAD)
             self.unreduced.append(arena)

@@ -76,6 +76,9 @@ def values() -> list[torch.Tensor]:
         randn(40, dtype=torch.complex64),
         randn(5, dtype=torch.complex128) * 1e300,
         torch.empty(0, 3),
+        randn(6, 9).t(),  # not contiguous: copied into contiguous strides
+        randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        randn(1, 7).expand(3, 7),  # a stride of 0
     ]
 
 
