@@ -6,12 +6,13 @@
 # Builds the C extension there, runs tests/runtime/test_gpu.py (no host sync while recording) and
 # tests/capture/test_pending_arena.py (the arenas' statistics against float64 PyTorch, on the GPU), then
 # the benchmarks with --device cuda, most wanted first: the GPT-2-small-sized and ResNet-18-sized
-# models (bench_sizes.py), the launches the GPU runs per record (bench_launches.py), the tiny models
-# (bench_logging.py), where the host time goes (profile_record.py) and the compiled MLP (its compile
-# section). Each step has its own time limit, so a slow one leaves the others' files (8 in all, the
-# most a run brings back); the whole takes about 5 minutes on an H200. Where `zstandard` isn't
-# importable it is installed from the wheels in .whl/, a folder to fill here first and carry (the
-# machine reaches no package index; the H100 of an earlier session had Python 3.12):
+# models (bench_sizes.py), the launches the GPU runs per record (bench_launches.py), where a
+# recording step's host time goes (profile_record.py), the tiny models (bench_logging.py) and the
+# compiled MLP (its compile section). Each step has its own time limit, so a slow one leaves the
+# others' files (8 in all, the most a run brings back); the whole took about 4 minutes on an H200.
+# Where `zstandard` isn't importable it is installed from the wheels in .whl/, a folder to fill
+# here first and carry (the machine reaches no package index; the H100 and H200 of earlier
+# sessions had Python 3.12):
 #
 #   echo /.whl/ >> .git/info/exclude
 #   .venv/bin/pip download zstandard --only-binary=:all: --python-version 3.12 --no-deps -d .whl

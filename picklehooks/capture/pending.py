@@ -36,7 +36,7 @@ from .._stats import EMPTY, PAD, segment_stats
 __all__ = ["PENDING_BYTES"]
 
 #: Bytes of recorded copies a log keeps for batched statistics before reducing them. Each reduction
-#: costs a fixed number of kernels (a few dozen per 4M-element block, at most 8 blocks): recording
+#: costs a fixed number of kernels (about 25, and 20 per block of up to 16M values): recording
 #: every value of a GPT-2-small step copies about 1.4 GB, six reductions at this size.
 PENDING_BYTES = 256 << 20
 
@@ -155,7 +155,7 @@ class _Pending:
         if self.bytes and self.bytes + nbytes > PENDING_BYTES:
             # Reduce before this copy, not after: a new arena started for it would be allocated
             # (and zeroed) at full size only to be reduced at the next copy.
-            self.reduce(small=False)
+            self.reduce(everything=False)
         seen = self.seen[key] = self.seen.get(key, 0) + padded
         arena = self.filling.get(key)
         if arena is None or arena.end + padded > arena.capacity:
@@ -176,12 +176,13 @@ class _Pending:
         self.reduced.append(arena)
         return arena
 
-    def reduce(self, small: bool = True) -> None:
-        """Turn the arenas' copies into tables on their devices (no sync). Without ``small``, an arena
-        holding under a sixteenth of :data:`PENDING_BYTES` keeps filling: a reduction's kernels are
-        a fixed number per arena, and the few integer values a model records (token ids, positions)
-        would pay them at every reduction of its float activations."""
-        kept = [] if small else [a for a in self.unreduced if a.end * a.data.element_size() < PENDING_BYTES // 16]
+    def reduce(self, everything: bool = True) -> None:
+        """Turn the arenas' copies into tables on their devices (no sync). Unless ``everything``, an
+        arena holding under a sixteenth of :data:`PENDING_BYTES` keeps filling: a reduction's kernels
+        are a fixed number per arena, and the few integer values a model records (token ids,
+        positions) would pay them at every reduction of its float activations."""
+        kept = [] if everything else [a for a in self.unreduced
+                                      if a.end * a.data.element_size() < PENDING_BYTES // 16]
         for arena in self.unreduced:
             if arena not in kept:
                 arena.reduce()
