@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import picklehooks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_logging import make_mlp, make_transformer  # noqa: E402
+from bench_logging import checked_device, make_mlp, make_transformer  # noqa: E402
 
 
 # Allocation only: a caching allocator hands out memory without a kernel.
@@ -104,11 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu (default: the proxy alone) or cuda[:N] "
                         "(the same models on the GPU: kernels counted on the device beside the proxy)")
-    device = torch.device(parser.parse_args().device)
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"--device {device}: use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available in this torch build or on this machine")
+    device = checked_device(parser, parser.parse_args().device)
     assert not picklehooks._native.AVAILABLE, "PICKLEHOOKS_NATIVE=0 must switch the native pass off"
     torch.manual_seed(0)
     rows = []

@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 import picklehooks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_logging import make_mlp  # noqa: E402
+from bench_logging import checked_device, make_mlp  # noqa: E402
 
 CALLS = 20
 
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled steps")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = checked_device(parser, args.device)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="picklehooks-profile-"))
     torch.manual_seed(0)
     model, x = make_mlp()

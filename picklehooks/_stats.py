@@ -164,7 +164,6 @@ def tensor_stats(x: torch.Tensor) -> list[float]:
     return matrix_stats(x.reshape(1, -1))[0].tolist()
 
 
-
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

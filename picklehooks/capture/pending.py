@@ -35,9 +35,10 @@ from .._stats import EMPTY, PAD, segment_stats
 
 __all__ = ["PENDING_BYTES"]
 
-#: Bytes of recorded copies a log keeps for batched statistics before reducing them. Each reduction
-#: costs a fixed number of kernels (about 25, and 20 per block of up to 16M values): recording
-#: every value of a GPT-2-small step copies about 1.4 GB, six reductions at this size.
+#: Bytes of recorded copies (padding included) a log keeps for batched statistics before reducing
+#: them. Each reduction costs a fixed number of kernels (about 25, and 20 per block of up to 16M
+#: values): recording every value of a GPT-2-small step copies about 1.4 GB, which took ten
+#: reductions at this size (counted with PICKLEHOOKS_NATIVE=0).
 PENDING_BYTES = 256 << 20
 
 # Elements an arena holds at least: a log's first arena of a dtype starts here, not at one tensor's size.
@@ -85,6 +86,10 @@ class _Arena:
         self.used += 1
         return row
 
+    def held(self) -> int:
+        """Bytes of the buffer its copies take, their padding included."""
+        return self.end * self.data.element_size()
+
     def reduce(self) -> None:
         """Compute the table on the device (no sync) and release the buffer.
 
@@ -97,8 +102,8 @@ class _Arena:
         last = [e - 1 for e in ends]
         rest = [n - (e - b) * PAD + PAD for n, b, e in zip(sizes, [0, *ends], ends)]  # values in the last chunk
         host = bytearray(array("q", ends + last + rest).tobytes() + array("d", sizes).tobytes())
-        layout = _to_device(torch.frombuffer(host, dtype=torch.int64), self.data.device)
         chunks, device = ends[-1], self.data.device
+        layout = _to_device(torch.frombuffer(host, dtype=torch.int64), device)
         # Chunk c is record i's when ends[i - 1] <= c < ends[i]; every chunk is full but each record's last.
         segment = torch.searchsorted(layout[:r], torch.arange(chunks, device=device), right=True)
         valid = torch.full((chunks,), PAD, dtype=torch.int64, device=device).index_copy_(0, layout[r : 2 * r],
@@ -141,7 +146,7 @@ class _Pending:
         self.unreduced: list[_Arena] = []  # every arena holding copies
         self.reduced: list[_Arena] = []  # with a table, not yet read
         self.seen: dict[tuple, int] = {}  # elements (padded) recorded per key
-        self.bytes = 0
+        self.bytes = 0  # held by the unreduced arenas' copies, padding included (their held())
 
     def add(self, x: torch.Tensor) -> tuple[_Arena, torch.Tensor]:
         """Copy ``x`` into an arena; return the arena (``x``'s statistics are its last row) and the copy,
@@ -151,7 +156,7 @@ class _Pending:
         key = (x.device, x.dtype)
         n = x.numel()
         padded = n + -n % PAD
-        nbytes = n * x.element_size()
+        nbytes = padded * x.element_size()  # as the arena will hold it
         if self.bytes and self.bytes + nbytes > PENDING_BYTES:
             # Reduce before this copy, not after: a new arena started for it would be allocated
             # (and zeroed) at full size only to be reduced at the next copy.
@@ -181,14 +186,13 @@ class _Pending:
         arena holding under a sixteenth of :data:`PENDING_BYTES` keeps filling: a reduction's kernels
         are a fixed number per arena, and the few integer values a model records (token ids,
         positions) would pay them at every reduction of its float activations."""
-        kept = [] if everything else [a for a in self.unreduced
-                                      if a.end * a.data.element_size() < PENDING_BYTES // 16]
+        kept = [] if everything else [a for a in self.unreduced if a.held() < PENDING_BYTES // 16]
         for arena in self.unreduced:
             if arena not in kept:
                 arena.reduce()
                 self.reduced.append(arena)
         self.filling = {key: arena for key, arena in self.filling.items() if arena in kept}
-        self.unreduced, self.bytes = kept, sum(a.end * a.data.element_size() for a in kept)
+        self.unreduced, self.bytes = kept, sum(a.held() for a in kept)
 
     def read(self) -> None:
         """Bring every table to the host, one transfer per device."""
