@@ -27,7 +27,7 @@ setup(
             "picklehooks._speedups",
             # In dependency order (see csrc/_speedups.h); _speedups.c holds the module's one init.
             sources=["csrc/_speedups.c", "csrc/stats.c", "csrc/rows.c", "csrc/hooks.c", "csrc/records.c",
-                     "csrc/kernels.c"],
+                     "csrc/kernels.c", "csrc/tree.c"],
             depends=["csrc/_speedups.h"],
             extra_compile_args=compile_args,
             optional=True,

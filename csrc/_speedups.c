@@ -1,5 +1,6 @@
 /* picklehooks._speedups: the optional C extension of picklehooks, one module made of the parts
- * listed in _speedups.h (statistics, the record lane, the hook lane, reading, the active kernel).
+ * listed in _speedups.h (statistics, the record lane, the hook lane, reading, the active kernel,
+ * the tree check).
  *
  * Only picklehooks/_native.py imports it; that module also holds its pure-Python twin (the same
  * names, the same signatures), which it uses instead where the extension isn't built, inside a
@@ -17,7 +18,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__speedups(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && (stats_init(m) < 0 || rows_init(m) < 0 || hooks_init(m) < 0 || records_init(m) < 0 ||
-              kernels_init(m) < 0))
+              kernels_init(m) < 0 || tree_init(m) < 0))
         Py_CLEAR(m);
     return m;
 }

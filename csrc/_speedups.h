@@ -8,6 +8,7 @@
  *   hooks.c    the hook lane: _hookrt's eager forward body, GradRecorder   (calls rows.c)
  *   records.c  Records built from a log's rows when it is read            (depends on nothing)
  *   kernels.c  the active op's kernel, which PyTorch's dispatcher calls   (depends on nothing)
+ *   tree.c     whether a model's module tree changed since instrument()   (depends on nothing)
  *   _speedups.c  PyInit__speedups: the module, made of every part's init (calls each part's *_init)
  *
  * Each part's *_init adds its functions, types and constants to the module.
@@ -39,5 +40,6 @@ int rows_init(PyObject *module);
 int hooks_init(PyObject *module);
 int records_init(PyObject *module);
 int kernels_init(PyObject *module);
+int tree_init(PyObject *module);
 
 #endif

@@ -5,7 +5,7 @@ Pinned runtime module: torch.package archives copy it, and the hook runtime
 (:mod:`picklehooks._hookrt`, :mod:`picklehooks._taps`), :mod:`picklehooks._ops` and the
 row-writing path (:mod:`picklehooks.capture.rows`) call :func:`stats`, :func:`row_lane`,
 :func:`record_builder`, :func:`hook_lane`, :func:`register_active`, :func:`set_recording`
-and :data:`AVAILABLE` by these names.
+and :data:`AVAILABLE` by these names (:func:`same_tree`, for the surgery check, is newer).
 
 **The switch.** ``_speedups`` (built from ``csrc/`` by setup.py, optionally) is used
 where it imports, unless ``PICKLEHOOKS_NATIVE=0`` is in the environment (read once, at
@@ -89,6 +89,10 @@ steps in Python, and 6 µs less for a copy and its gradient
 (``bench/bench_record_path.py``). :func:`record_builder` configures and
 returns the reading side, ``build_records``: the Records of a log's rows,
 built in one call.
+
+:func:`same_tree` tells whether an instrumented model's module tree is still the one
+:mod:`picklehooks.capture.tree` fingerprinted (``record()`` asks as each block starts), or
+``None`` where only the caller's Python walk can tell (the twin always says ``None``).
 
 :func:`register_active` registers the C kernel of the ``active`` op
 (csrc/kernels.c) through libtorch's stable C shim, found with :mod:`ctypes`
@@ -205,6 +209,11 @@ class _twin:  # noqa: N801 -- stands in for the extension module: its names are 
     def set_recording(flag, /):
         """Keep ``flag``: there is no C kernel to tell."""
         _twin._flag = bool(flag)
+
+    @staticmethod
+    def same_tree(model, tree, /):
+        """``None``: not decided here (the caller compares the fingerprints in Python)."""
+        return None
 
 
 # The names the extension must have, all of the twin's: a build without one of them (a stale
@@ -384,3 +393,9 @@ def register_active(namespace: str, dispatch_key: str) -> bool:
 def set_recording(flag: bool) -> None:
     """What the C kernel of ``active`` answers from now on (whether any log records)."""
     _impl.set_recording(flag)
+
+
+def same_tree(model, tree: list) -> bool | None:
+    """Whether ``picklehooks.capture.tree._fingerprint(model) == tree``, walked in C without building
+    the new fingerprint; ``None`` where the caller must compare in Python (the twin, always)."""
+    return _impl.same_tree(model, tree)

@@ -19,7 +19,8 @@ caller, or the hook dictionaries of its modules (:func:`picklehooks.capture.hook
 which is not the case with ``PICKLEHOOKS_IDLE_HOOKS=0`` or on modules that had
 hooks before ``instrument()``; a module no longer in the tree keeps its old name (its hooks run
 only if something still calls it); the check walks each instrumented model's
-modules once per ``record()`` (a fraction of a microsecond per module); models
+modules once per ``record()`` (in C where the extension is built: about 0.1 µs a module, 3 µs
+for the bench's 37-module MLP right after a forward pass, against 28 to 45 µs in Python); models
 scripted, compiled or exported after instrumenting are not checked (their
 names are fixed in their graphs).
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 import warnings
 import weakref
 
-from .. import _ops
+from .. import _native, _ops
 from .._shim import PicklehooksError
 from . import hookdict as _hookdict
 from .spec import from_spec, select
@@ -37,7 +38,9 @@ from .spec import from_spec, select
 __all__ = ["check", "track", "untrack", "live"]
 
 _NAME_ATTR = "_picklehooks_name"
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # instrumentations with hooks on a model (kept alive by it)
+# The instrumentations with hooks on a model (kept alive by it): id -> weak reference. A dict, not a
+# WeakSet, whose iteration is Python code (1.3 µs of each record() for one instrumentation).
+_LIVE: dict[int, weakref.ref] = {}
 
 
 def _fingerprint(model) -> list:
@@ -58,27 +61,39 @@ def _fingerprint(model) -> list:
 def track(handle) -> None:
     """Watch ``handle``'s model from now on, as it is now; its modules keep it alive meanwhile."""
     handle._tree = _fingerprint(handle.model)
-    _LIVE.add(handle)
+    key = id(handle)
+
+    def forget(ref, key=key):
+        if _LIVE.get(key) is ref:  # not a newer handle at the same address
+            del _LIVE[key]
+
+    _LIVE[key] = weakref.ref(handle, forget)
     for module in handle.modules.values():
         _hookdict.keep(module, handle)
 
 
 def untrack(handle) -> None:
-    _LIVE.discard(handle)
+    ref = _LIVE.get(id(handle))
+    if ref is not None and ref() is handle:
+        del _LIVE[id(handle)]
 
 
 def live() -> list:
     """The instrumentations with hooks on a model now."""
-    return list(_LIVE)
+    return [handle for handle in (ref() for ref in list(_LIVE.values())) if handle is not None]
 
 
 def check() -> None:
     """Rename moved modules and warn about changed trees, for every live instrumentation."""
-    for handle in list(_LIVE):
-        _check(handle, handle.model)
+    for ref in list(_LIVE.values()):
+        handle = ref()
+        if handle is not None:
+            _check(handle, handle.model)
 
 
 def _check(handle, model) -> None:
+    if _native.same_tree(model, handle._tree):  # the walk in C; None: compare in Python
+        return
     tree = _fingerprint(model)
     if tree == handle._tree:
         return
