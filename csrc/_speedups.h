@@ -35,6 +35,9 @@ int stats_init(PyObject *module);
 PyObject *rows_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject *path, PyObject *x, long flags);
 PyObject *rows_next_call(PyObject *log, PyObject *module, PyObject *kind, PyObject *path, PyObject *expect);
 int rows_handled_type(PyObject *x);
+/* x.requires_grad for x of a type rows_handled_type() takes (read as add_row reads it): a new
+ * reference, or NULL with an error. */
+PyObject *rows_requires_grad(PyObject *x);
 int rows_init(PyObject *module);
 
 int hooks_init(PyObject *module);

@@ -1,14 +1,16 @@
 /* picklehooks._speedups, part three (calls rows.c): the eager hook lane. What picklehooks._hookrt
  * does for the commonest recorded values, once a Python check has ruled out tracing:
  *
- *   forward_lane(module, output, flags) -> None, or NotImplemented
- *       _hookrt.forward's eager body for an output that needs no gradient hook: None when the
+ *   forward_lane(module, output, flags, inputs=None) -> None, or NotImplemented
+ *       _hookrt.forward's eager body for an output that is exactly a torch.Tensor: None when the
  *       hook is done (nothing records, or the value was recorded through the row lane or
- *       log._add_tensor; an output that requires grad with the none bit, since the lane hooks
- *       no gradient) and returns None; NotImplemented, having done nothing, for anything
- *       else (the output is not exactly a torch.Tensor, a guard, no value asked for, a gradient
- *       hook needed, a checkpoint's recomputation, no name on the module), and _hookrt.forward
- *       goes on in Python.
+ *       log._add_tensor), having hooked its gradient where one flows and GRAD asks for it, as
+ *       _taps._eager_tap(direct=True) does for torch.nn's own leaf modules (see hookable());
+ *       NotImplemented, having done nothing, for anything else (another output type, a guard,
+ *       no value asked for, a gradient hook only Python puts, a checkpoint's recomputation, no
+ *       name on the module), and _hookrt.forward goes on in Python. inputs: the hook's
+ *       positional inputs (None from hooks generated before they were passed: no gradient
+ *       hook then).
  *
  *   GradRecorder(name, kind, path, flags)
  *       _hookrt._GradRecorder: the tensor hook that records a gradient. Called with the
@@ -37,24 +39,33 @@ static PyObject *GRAPH_TASK_ID;  /* torch._C._current_graph_task_id: -1 outside 
 static PyObject *TENSOR;         /* torch.Tensor: the one output type forward_lane takes */
 static PyObject *NAME_ATTR;      /* "_picklehooks_name" */
 static PyObject *FALLBACK;       /* fallback(name, kind, path, flags, grad): the Python recorder */
-static long VALUE_BIT, GRAD_BIT, GUARD_BIT, NONE_BIT;
+static PyObject *BACKWARD_HOOKS; /* torch.nn.modules.module._global_backward_hooks (mutated, never replaced) */
+static PyObject *HOOK_KEY;       /* the key of the hook in a tensor's hook dict (_taps._HOOK_KEY) */
+static PyObject *HAS_TORCH_FUNCTION; /* torch._C._has_torch_function_unary */
+static PyObject *FUNCTORCH_ACTIVE;   /* torch._C._are_functorch_transforms_active */
+static long VALUE_BIT, GRAD_BIT, GUARD_BIT, NONE_BIT, SURE_BIT;
 
-static PyObject *S_add_tensor, *S_requires_grad, *S_output, *S_empty;
+static PyObject *S_add_tensor, *S_output, *S_empty, *S_grad_output, *S_backward_hooks, *S_modules, *S_module_name,
+    *S_nn_prefix, *S_grad_fn, *S_is_view, *S_register_hook_dict;
 
 static PyObject *configure_hooks(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *names[] = {"recording", "active", "graph_task_id", "tensor", "name_attr", "fallback",
-                            "value_bit", "grad_bit", "guard_bit", "none_bit", NULL};
-    PyObject *recording, *active, *graph_task_id, *tensor, *name_attr, *fallback;
-    long value_bit, grad_bit, guard_bit, none_bit;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!OOO!UOllll:configure_hooks", names, &PyList_Type, &recording,
-                                     &active, &graph_task_id, &PyType_Type, &tensor, &name_attr, &fallback,
-                                     &value_bit, &grad_bit, &guard_bit, &none_bit))
+                            "backward_hooks", "hook_key", "has_torch_function", "functorch_active",
+                            "value_bit", "grad_bit", "guard_bit", "none_bit", "sure_bit", NULL};
+    PyObject *recording, *active, *graph_task_id, *tensor, *name_attr, *fallback, *backward_hooks, *hook_key,
+        *has_torch_function, *functorch_active;
+    long value_bit, grad_bit, guard_bit, none_bit, sure_bit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!OOO!UOO!UOOlllll:configure_hooks", names, &PyList_Type,
+                                     &recording, &active, &graph_task_id, &PyType_Type, &tensor, &name_attr,
+                                     &fallback, &PyDict_Type, &backward_hooks, &hook_key, &has_torch_function,
+                                     &functorch_active, &value_bit, &grad_bit, &guard_bit, &none_bit, &sure_bit))
         return NULL;
     if (!PyContextVar_CheckExact(active) || !PyCallable_Check(graph_task_id) || !PyCallable_Check(fallback) ||
-        value_bit <= 0 || grad_bit <= 0 || guard_bit <= 0 || none_bit <= 0) {
-        PyErr_SetString(PyExc_TypeError, "configure_hooks: active must be a ContextVar, graph_task_id and fallback "
-                                         "callable, the bits positive");
+        !PyCallable_Check(has_torch_function) || !PyCallable_Check(functorch_active) || value_bit <= 0 ||
+        grad_bit <= 0 || guard_bit <= 0 || none_bit <= 0 || sure_bit <= 0) {
+        PyErr_SetString(PyExc_TypeError, "configure_hooks: active must be a ContextVar, graph_task_id, fallback, "
+                                         "has_torch_function and functorch_active callable, the bits positive");
         return NULL;
     }
     set_ref(&RECORDING, recording);
@@ -63,10 +74,15 @@ static PyObject *configure_hooks(PyObject *self, PyObject *args, PyObject *kwarg
     set_ref(&TENSOR, tensor);
     set_ref(&NAME_ATTR, name_attr);
     set_ref(&FALLBACK, fallback);
+    set_ref(&BACKWARD_HOOKS, backward_hooks);
+    set_ref(&HOOK_KEY, hook_key);
+    set_ref(&HAS_TORCH_FUNCTION, has_torch_function);
+    set_ref(&FUNCTORCH_ACTIVE, functorch_active);
     VALUE_BIT = value_bit;
     GRAD_BIT = grad_bit;
     GUARD_BIT = guard_bit;
     NONE_BIT = none_bit;
+    SURE_BIT = sure_bit;
     Py_RETURN_NONE;
 }
 
@@ -95,24 +111,91 @@ static PyObject *active_log(void) {
     return log;
 }
 
+/* An attribute of a module's instance dict that is a dict: whether it is empty (1), not (0), or
+ * neither can be told here (-1, no error: the caller declines); -2 with an error. */
+static int empty_dict_attr(PyObject *module, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(module, name);
+    if (!value) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -2;
+        PyErr_Clear();
+        return -1;
+    }
+    int empty = PyDict_Check(value) ? PyDict_GET_SIZE(value) == 0 : -1;
+    Py_DECREF(value);
+    return empty;
+}
+
+/* Whether the forward lane can hook output's gradient itself, as _taps._eager_tap does with
+ * direct=True and _taps._hook_grad's fast branch, changing nothing yet: 1 (with *grad_fn set to a
+ * new reference), 0 for anything that path or another one of _eager_tap's decides otherwise
+ * (the caller declines), -1 with an error. The conditions, in _hookrt.forward's and _eager_tap's
+ * order: no legacy backward hooks on the module or anywhere (register_backward_hook's hooks
+ * attach to the output's grad_fn, which must stay the module's own); the module is one of
+ * torch.nn's own without submodules (_hookrt._keeps_no_output: it computes its output last and
+ * never uses it, so the output itself is hooked, no alias); inputs given; the output is not a
+ * leaf, not a view and not one of the inputs (those are hooked through a view); it has no tensor
+ * hooks yet, no __torch_function__, and no functorch transform is active. */
+static int hookable(PyObject *module, PyObject *output, PyObject *inputs, PyObject **grad_fn) {
+    *grad_fn = NULL;
+    if (!BACKWARD_HOOKS || !PyTuple_Check(inputs) || PyDict_GET_SIZE(BACKWARD_HOOKS) != 0) return 0;
+    int empty = empty_dict_attr(module, S_backward_hooks);
+    if (empty != 1) return empty == -2 ? -1 : 0;
+    PyObject *where = PyObject_GetAttr((PyObject *)Py_TYPE(module), S_module_name);
+    if (!where) return -1;
+    int torch_nn = PyUnicode_Check(where) && PyUnicode_Tailmatch(where, S_nn_prefix, 0, PY_SSIZE_T_MAX, -1) == 1;
+    Py_DECREF(where);
+    if (!torch_nn) return 0;
+    if ((empty = empty_dict_attr(module, S_modules)) != 1) return empty == -2 ? -1 : 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) {
+        if (PyTuple_GET_ITEM(inputs, i) == output) return 0;
+    }
+    PyObject *fn = PyObject_GetAttr(output, S_grad_fn);
+    if (!fn) return -1;
+    if (fn == Py_None) { /* a leaf */
+        Py_DECREF(fn);
+        return 0;
+    }
+    PyObject *answers[4] = {NULL, NULL, NULL, NULL};
+    int ok = (answers[0] = PyObject_CallMethodNoArgs(output, S_is_view)) &&
+             (answers[1] = PyObject_GetAttr(output, S_backward_hooks)) &&
+             (answers[2] = PyObject_CallOneArg(HAS_TORCH_FUNCTION, output)) &&
+             (answers[3] = PyObject_CallNoArgs(FUNCTORCH_ACTIVE));
+    int fast = ok && answers[0] == Py_False && answers[1] == Py_None && answers[2] == Py_False &&
+               answers[3] == Py_False;
+    for (int i = 0; i < 4; i++) Py_XDECREF(answers[i]);
+    if (!ok || !fast) {
+        Py_DECREF(fn);
+        return ok ? 0 : -1;
+    }
+    *grad_fn = fn;
+    return 1;
+}
+
+static int hook_gradient(PyObject *output, PyObject *grad_fn, PyObject *name, PyObject *flags_obj, long flags);
+
 static PyObject *forward_lane(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "forward_lane(module, output, flags) takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "forward_lane(module, output, flags, inputs=None) takes 3 or 4 arguments");
         return NULL;
     }
-    PyObject *module = args[0], *output = args[1], *flags_obj = args[2];
+    PyObject *module = args[0], *output = args[1], *flags_obj = args[2], *inputs = nargs == 4 ? args[3] : Py_None;
     long flags = PyLong_AsLong(flags_obj);
     if (flags == -1 && PyErr_Occurred()) return NULL;
     if (!RECORDING) Py_RETURN_NOTIMPLEMENTED;
     if (PyList_GET_SIZE(RECORDING) == 0 && !(flags & GUARD_BIT)) Py_RETURN_NONE; /* nothing records */
     if ((PyObject *)Py_TYPE(output) != TENSOR || (flags & (VALUE_BIT | GUARD_BIT)) != VALUE_BIT)
         Py_RETURN_NOTIMPLEMENTED;
-    PyObject *requires_grad = PyObject_GetAttr(output, S_requires_grad);
+    PyObject *requires_grad = rows_requires_grad(output); /* output is exactly a torch.Tensor */
     if (!requires_grad) return NULL;
     int grad_flows = requires_grad == Py_True;
     Py_DECREF(requires_grad);
-    if (grad_flows && (flags & GRAD_BIT)) Py_RETURN_NOTIMPLEMENTED; /* its gradient needs a hook: Python */
+    PyObject *grad_fn = NULL; /* set where this lane hooks the gradient itself */
+    if (grad_flows && (flags & GRAD_BIT)) {
+        int can = hookable(module, output, inputs, &grad_fn);
+        if (can < 0) return NULL;
+        if (!can) Py_RETURN_NOTIMPLEMENTED; /* its gradient needs a hook only Python puts */
+    }
     PyObject *log = active_log(), *name = NULL, *result = NULL;
     if (!log) return NULL;
     if (log == Py_None) { /* another thread records, this one doesn't */
@@ -135,14 +218,18 @@ static PyObject *forward_lane(PyObject *self, PyObject *const *args, Py_ssize_t 
         result = Py_NewRef(Py_NotImplemented);
         goto done;
     }
-    /* A gradient that flows here isn't hooked (the lane takes no value that needs a hook): none will
-     * pair with this call. One that doesn't flow now may still come (reentrant checkpointing runs the
-     * forward under no_grad and recomputes it for backward): add_row decides that as for any value. */
-    if (record(log, name, S_output, S_empty, output, grad_flows ? flags | NONE_BIT : flags, NULL) == 0)
+    /* A gradient this lane hooks pairs with this call for sure; one that flows here unhooked (GRAD
+     * not asked for) never will. One that doesn't flow now may still come (reentrant checkpointing
+     * runs the forward under no_grad and recomputes it for backward): add_row decides that as for
+     * any value. Recorded first, then hooked, as _eager_tap does. */
+    long known = grad_fn ? flags | SURE_BIT : grad_flows ? flags | NONE_BIT : flags;
+    if (record(log, name, S_output, S_empty, output, known, NULL) == 0 &&
+        (!grad_fn || hook_gradient(output, grad_fn, name, flags_obj, flags) == 0))
         result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(log);
     Py_XDECREF(name);
+    Py_XDECREF(grad_fn);
     return result;
 }
 
@@ -185,14 +272,9 @@ static PyObject *recorder_call(PyObject *callable, PyObject *const *args, size_t
     return PyObject_Vectorcall(FALLBACK, fallback_args, 5, NULL);
 }
 
-static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"name", "kind", "path", "flags", NULL};
-    PyObject *name, *kind, *path, *flags_obj;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "UUUO!:GradRecorder", names, &name, &kind, &path, &PyLong_Type,
-                                     &flags_obj))
-        return NULL;
-    long flags = PyLong_AsLong(flags_obj);
-    if (flags == -1 && PyErr_Occurred()) return NULL;
+/* A new GradRecorder of type (or a subtype) from checked arguments, or NULL with an error. */
+static PyObject *make_recorder(PyTypeObject *type, PyObject *name, PyObject *kind, PyObject *path,
+                               PyObject *flags_obj, long flags) {
     GradRecorder *self = (GradRecorder *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     self->name = Py_NewRef(name);
@@ -202,6 +284,17 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     self->flags = flags;
     self->vectorcall = recorder_call;
     return (PyObject *)self;
+}
+
+static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"name", "kind", "path", "flags", NULL};
+    PyObject *name, *kind, *path, *flags_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "UUUO!:GradRecorder", names, &name, &kind, &path, &PyLong_Type,
+                                     &flags_obj))
+        return NULL;
+    long flags = PyLong_AsLong(flags_obj);
+    if (flags == -1 && PyErr_Occurred()) return NULL;
+    return make_recorder(type, name, kind, path, flags_obj, flags);
 }
 
 static void recorder_dealloc(GradRecorder *self) {
@@ -234,13 +327,30 @@ static PyTypeObject GradRecorderType = {
     .tp_members = recorder_members,
 };
 
+/* _taps._hook_grad's fast branch, with a new GradRecorder(name, "grad_output", "", flags): the
+ * recorder in a new OrderedDict as the tensor's hook dict, registered with its grad_fn (what
+ * Tensor.register_hook does, without the RemovableHandle nobody would keep). 0, or -1 with an error. */
+static int hook_gradient(PyObject *output, PyObject *grad_fn, PyObject *name, PyObject *flags_obj, long flags) {
+    PyObject *recorder = make_recorder(&GradRecorderType, name, S_grad_output, S_empty, flags_obj, flags);
+    if (!recorder) return -1;
+    PyObject *hooks = PyODict_New(), *done = NULL;
+    if (hooks && PyODict_SetItem(hooks, HOOK_KEY, recorder) == 0 &&
+        PyObject_SetAttr(output, S_backward_hooks, hooks) == 0)
+        done = PyObject_CallMethodOneArg(grad_fn, S_register_hook_dict, output);
+    Py_XDECREF(hooks);
+    Py_DECREF(recorder);
+    Py_XDECREF(done);
+    return done ? 0 : -1;
+}
+
 static PyMethodDef hooks_functions[] = {
     {"configure_hooks", (PyCFunction)(void (*)(void))configure_hooks, METH_VARARGS | METH_KEYWORDS,
-     "configure_hooks($module, /, *, recording, active, graph_task_id, tensor, name_attr, fallback, value_bit,\n"
-     "                grad_bit, guard_bit, none_bit)\n--\n\n"
+     "configure_hooks($module, /, *, recording, active, graph_task_id, tensor, name_attr, fallback,\n"
+     "                backward_hooks, hook_key, has_torch_function, functorch_active, value_bit, grad_bit,\n"
+     "                guard_bit, none_bit, sure_bit)\n--\n\n"
      "What forward_lane and GradRecorder check and call (see the top of csrc/hooks.c)."},
     {"forward_lane", (PyCFunction)(void (*)(void))forward_lane, METH_FASTCALL,
-     "forward_lane($module, module, output, flags, /)\n--\n\n"
+     "forward_lane($module, module, output, flags, inputs=None, /)\n--\n\n"
      "None when the eager forward hook is done, else NotImplemented."},
     {NULL, NULL, 0, NULL},
 };
@@ -248,9 +358,16 @@ static PyMethodDef hooks_functions[] = {
 int hooks_init(PyObject *m) {
 #define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return -1
     INTERN(S_add_tensor, "_add_tensor");
-    INTERN(S_requires_grad, "requires_grad");
     INTERN(S_output, "output");
     INTERN(S_empty, "");
+    INTERN(S_grad_output, "grad_output");
+    INTERN(S_backward_hooks, "_backward_hooks");
+    INTERN(S_modules, "_modules");
+    INTERN(S_module_name, "__module__");
+    INTERN(S_nn_prefix, "torch.nn.modules.");
+    INTERN(S_grad_fn, "grad_fn");
+    INTERN(S_is_view, "_is_view");
+    INTERN(S_register_hook_dict, "_register_hook_dict");
 #undef INTERN
     if (PyModule_AddFunctions(m, hooks_functions) < 0 || PyType_Ready(&GradRecorderType) < 0) return -1;
     Py_INCREF(&GradRecorderType);

@@ -93,6 +93,56 @@ static int intern_names(void) {
     return 0;
 }
 
+/* The attributes and methods the lanes read off a tensor of the exact TYPES, each found once, by
+ * configure_rows: the TensorBase descriptor every one of TYPES resolves the name to. Reading
+ * through it skips the attribute lookup, which measured about 300 instructions a name inside a
+ * model (the type's method cache misses there, and three classes' dicts are searched). Getset
+ * descriptors are data descriptors, which a lookup finds before any instance attribute, so the
+ * value is getattr's; a method is called as TensorBase's own, as torch's bindings call it (an
+ * instance attribute of the same name, which getattr would find first, is not looked for). A name
+ * whose types disagree, or whose descriptor is of another kind, keeps the lookup (NULL here). */
+enum { A_DTYPE, A_REQUIRES_GRAD, A_SHAPE, A_IS_CPU, A_LAYOUT, A_NBYTES, M_IS_NEG, M_DATA_PTR, M_STRIDE, NDESCR };
+enum { FIRST_METHOD = M_IS_NEG };
+static PyObject *DESCR[NDESCR];
+static PyObject **const DESCR_NAME[NDESCR] = {&S_dtype, &S_requires_grad, &S_shape, &S_is_cpu, &S_layout,
+                                              &S_nbytes, &S_is_neg, &S_data_ptr, &S_stride};
+
+/* DESCR[which], found in types: a new reference, or NULL (with an error only on failure). */
+static PyObject *find_descr(PyObject *types, int which) {
+    PyObject *found = NULL;
+    PyTypeObject *kind = which < FIRST_METHOD ? &PyGetSetDescr_Type : &PyMethodDescr_Type;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        /* On a type, a getset or method descriptor's __get__ gives the descriptor itself. */
+        PyObject *d = PyObject_GetAttr(PyTuple_GET_ITEM(types, i), *DESCR_NAME[which]);
+        if (!d) {
+            PyErr_Clear();
+            Py_CLEAR(found);
+            return NULL;
+        }
+        if (!Py_IS_TYPE(d, kind) || (found && d != found)) {
+            Py_DECREF(d);
+            Py_CLEAR(found);
+            return NULL;
+        }
+        Py_XSETREF(found, d);
+    }
+    return found;
+}
+
+/* x.<attribute> for x of one of TYPES: a new reference, or NULL with an error. */
+static PyObject *tensor_attr(PyObject *x, int which) {
+    PyObject *d = DESCR[which];
+    return d ? Py_TYPE(d)->tp_descr_get(d, x, (PyObject *)Py_TYPE(x)) : PyObject_GetAttr(x, *DESCR_NAME[which]);
+}
+
+/* x.<method>() for x of one of TYPES. */
+static PyObject *tensor_call(PyObject *x, int which) {
+    PyObject *d = DESCR[which];
+    return d ? PyObject_Vectorcall(d, &x, 1, NULL) : PyObject_CallMethodNoArgs(x, *DESCR_NAME[which]);
+}
+
+PyObject *rows_requires_grad(PyObject *x) { return tensor_attr(x, A_REQUIRES_GRAD); }
+
 static PyObject *configure_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *names[] = {"types", "codes", "soft_errors", "grad_enabled", "strided", "forward_of", "sure", "maybe",
@@ -125,6 +175,10 @@ static PyObject *configure_rows(PyObject *self, PyObject *args, PyObject *kwargs
     if (!paired) return NULL;
     Py_XSETREF(PAIRED, paired);
     set_ref(&TYPES, types);
+    for (int i = 0; i < NDESCR; i++) {
+        Py_XSETREF(DESCR[i], find_descr(types, i));
+        if (!DESCR[i] && PyErr_Occurred()) return NULL;
+    }
     set_ref(&CODES, codes);
     set_ref(&SOFT_ERRORS, soft);
     set_ref(&GRAD_ENABLED, grad_enabled);
@@ -161,18 +215,18 @@ static PyObject *soft(PyObject *result) {
 static PyObject *stats_of(PyObject *x, PyObject *dtype, PyObject *shape) {
     PyObject *code = PyDict_GetItemWithError(CODES, dtype); /* borrowed */
     if (!code) return NULL;
-    PyObject *flag = PyObject_GetAttr(x, S_is_cpu);
+    PyObject *flag = tensor_attr(x, A_IS_CPU);
     if (!flag) return NULL;
     int cpu = flag == Py_True;
     Py_DECREF(flag);
     if (!cpu) return NULL;
-    if (!(flag = PyObject_CallMethodNoArgs(x, S_is_neg))) return NULL;
+    if (!(flag = tensor_call(x, M_IS_NEG))) return NULL;
     int neg = flag != Py_False;
     Py_DECREF(flag);
     if (neg) return NULL;
-    PyObject *ptr = soft(PyObject_CallMethodNoArgs(x, S_data_ptr));
+    PyObject *ptr = soft(tensor_call(x, M_DATA_PTR));
     if (!ptr) return NULL;
-    PyObject *stride = soft(PyObject_CallMethodNoArgs(x, S_stride));
+    PyObject *stride = soft(tensor_call(x, M_STRIDE));
     if (!stride) {
         Py_DECREF(ptr);
         return NULL;
@@ -329,7 +383,7 @@ static PyObject *next_call_py(PyObject *self, PyObject *const *args, Py_ssize_t 
 /* A copy of x as Log._add_tensor keeps it (detached, contiguous): a new reference; NULL without an
  * error set when not handled here (not strided). */
 static PyObject *copy_of(PyObject *x, int requires_grad) {
-    PyObject *layout = PyObject_GetAttr(x, S_layout);
+    PyObject *layout = tensor_attr(x, A_LAYOUT);
     if (!layout) return NULL;
     int strided = layout == STRIDED;
     Py_DECREF(layout);
@@ -358,9 +412,9 @@ PyObject *rows_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject
         if (keep > 0) result = Py_NewRef(Py_False);
         goto done;
     }
-    if (!(dtype = PyObject_GetAttr(x, S_dtype)) || !(flag = PyObject_GetAttr(x, S_requires_grad)))
+    if (!(dtype = tensor_attr(x, A_DTYPE)) || !(flag = tensor_attr(x, A_REQUIRES_GRAD)))
         goto done;
-    if (!(shape = soft(PyObject_GetAttr(x, S_shape)))) { /* nested tensors have none */
+    if (!(shape = soft(tensor_attr(x, A_SHAPE)))) { /* nested tensors have none */
         if (!PyErr_Occurred()) result = Py_NewRef(Py_False);
         goto done;
     }
@@ -392,7 +446,7 @@ PyObject *rows_add_row(PyObject *log, PyObject *module, PyObject *kind, PyObject
         goto done;
     }
     if (copy) { /* log._tensor_bytes += x.nbytes */
-        PyObject *bytes = PyObject_GetAttr(x, S_nbytes);
+        PyObject *bytes = tensor_attr(x, A_NBYTES);
         PyObject *total = bytes ? PyObject_GetAttr(log, S_tensor_bytes) : NULL;
         nbytes = total ? PyNumber_Add(total, bytes) : NULL;
         Py_XDECREF(bytes);

@@ -243,8 +243,8 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
         flags &= ~_INPUT_GRAD
         if not flags:
             return None
-    if _forward_lane is not None and _forward_lane(module, output, flags) is None:
-        return None  # done in C: idle, or recorded (see csrc/hooks.c)
+    if _forward_lane is not None and _forward_lane(module, output, flags, inputs) is None:
+        return None  # done in C: idle, or recorded (and its gradient hooked; see csrc/hooks.c)
     if not (_RECORDING or flags & _GUARD):  # skip(), the rest of it
         return None
     if flags & _GRAD and (module._backward_hooks or _module_globals._global_backward_hooks) \

@@ -146,12 +146,18 @@ class _PyGradRecorder:
         _record_grad(self.name, self.kind, self.path, self.flags, grad)
 
 
-# The C hook lane (csrc/hooks.c): forward()'s eager body for an output that needs no
-# gradient hook, and a GradRecorder that records a plain gradient in this context itself and
-# leaves the rest to _record_grad. None, and the Python recorder, where the extension is off.
+# The key of the hook _hook_grad (and the C forward lane) puts in a tensor's hook dictionary: not
+# an int, so never the id of a RemovableHandle that Tensor.register_hook adds beside it.
+_HOOK_KEY = "picklehooks"
+
+# The C hook lane (csrc/hooks.c): forward()'s eager body for a plain output (and its gradient
+# hook, where _eager_tap would hook the output directly), and a GradRecorder that records a plain
+# gradient in this context itself and leaves the rest to _record_grad. None, and the Python
+# recorder, where the extension is off.
 _lanes = _native.hook_lane(recording=_state._ANYWHERE, active=_state._ACTIVE, graph_task_id=_graph_task_id,
-                           name_attr="_picklehooks_name", fallback=_record_grad, value_bit=_ops.VALUE,
-                           grad_bit=_ops.GRAD, guard_bit=_ops.GUARD, none_bit=_ops.GRAD_NONE)
+                           name_attr="_picklehooks_name", fallback=_record_grad, hook_key=_HOOK_KEY,
+                           value_bit=_ops.VALUE, grad_bit=_ops.GRAD, guard_bit=_ops.GUARD, none_bit=_ops.GRAD_NONE,
+                           sure_bit=_ops.GRAD_SURE)
 _forward_lane, _GradRecorder = _lanes if _lanes is not None else (None, _PyGradRecorder)
 
 
@@ -191,9 +197,6 @@ _alias = super(torch.autograd.Function, _Alias).apply  # bound to _Alias
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-# The key of the hook _hook_grad puts in a tensor's hook dictionary: not an int, so never the id
-# of a RemovableHandle that Tensor.register_hook adds beside it.
-_HOOK_KEY = "picklehooks"
 _has_torch_function = torch._C._has_torch_function_unary
 
 

@@ -19,8 +19,9 @@ caller, or the hook dictionaries of its modules (:func:`picklehooks.capture.hook
 which is not the case with ``PICKLEHOOKS_IDLE_HOOKS=0`` or on modules that had
 hooks before ``instrument()``; a module no longer in the tree keeps its old name (its hooks run
 only if something still calls it); the check walks each instrumented model's
-modules once per ``record()`` (in C where the extension is built: about 0.1 µs a module, 3 µs
-for the bench's 37-module MLP right after a forward pass, against 28 to 45 µs in Python); models
+modules once per ``record()`` (in C where the extension is built: for the bench's 37-module MLP
+about 1 µs with warm caches and 7 to 11 µs right after a forward pass, against 11 and 28 to 45 µs
+in Python); models
 scripted, compiled or exported after instrumenting are not checked (their
 names are fixed in their graphs).
 """

@@ -189,6 +189,89 @@ def test_forward_lane_declines_what_it_does_not_take():
     assert len(log._rows) == (1 if C else 0)
 
 
+class Custom(torch.nn.Module):  # not one of torch.nn's own: it might use its output after returning it
+    def forward(self, x):
+        return x * 2
+
+
+def _grad_cases():
+    """(module, output, inputs) the lane must leave to Python although a gradient flows and GRAD is
+    asked for; each output fresh and hookless, so only the named condition differs."""
+    def named(module):
+        module._picklehooks_name = "m"
+        return module
+
+    x = torch.randn(2, 3, requires_grad=True)
+    made = lambda: x * 1  # noqa: E731 -- a new non-leaf output
+    with_parent = named(torch.nn.Sequential(torch.nn.GELU()))
+    legacy = named(torch.nn.GELU())
+    legacy.register_backward_hook(lambda *args: None)  # its hooks attach to the output's grad_fn
+    hooked = made()
+    hooked.register_hook(lambda g: None)
+    return {
+        "no inputs (an old generated hook)": (named(torch.nn.GELU()), made(), None),
+        "not torch.nn's own module": (named(Custom()), made(), (x,)),
+        "a module with submodules": (with_parent, made(), (x,)),
+        "a legacy backward hook": (legacy, made(), (x,)),
+        "the output is an input": (named(torch.nn.Identity()), x, (x,)),
+        "a leaf": (named(torch.nn.GELU()), torch.randn(3, requires_grad=True), (x,)),
+        "a view": (named(torch.nn.GELU()), made()[0], (x,)),
+        "hooks already": (named(torch.nn.GELU()), hooked, (x,)),
+    }
+
+
+@pytest.mark.skipif(not C, reason="the twin's lane takes nothing")
+def test_forward_lane_hooks_a_gradient_where_eager_tap_hooks_the_output_directly():
+    """A torch.nn leaf module's new output: recorded, expecting its gradient for sure, and hooked
+    itself, as ``_eager_tap(direct=True)`` does; everything else is declined untouched."""
+    flags = _ops.VALUE | _ops.GRAD | _ops.STATS
+    with picklehooks.record() as log:
+        for case, (module, output, inputs) in _grad_cases().items():
+            hooks = output._backward_hooks
+            assert forward_lane(module, output, flags, inputs) is NotImplemented, case
+            assert output._backward_hooks is hooks, case
+        assert not log._rows and not log._calls and not log._awaiting_grad
+        module = torch.nn.GELU()
+        module._picklehooks_name = "g"
+        x = torch.randn(2, 3, requires_grad=True)
+        out = module(x)
+        assert forward_lane(module, out, flags, (x,)) is None
+        assert [(r[0], r[1], r[3]) for r in log._rows] == [("g", "output", 0)]
+        assert list(log._awaiting_grad) == [("g", "output", "")]
+        (recorder,) = out._backward_hooks.values()
+        assert (recorder.name, recorder.kind, recorder.path, recorder.flags) == ("g", "grad_output", "", flags)
+        out.sum().backward()
+    assert [(r.module, r.kind, r.call) for r in log.records] == [("g", "output", 0), ("g", "grad_output", 0)]
+    assert log.records[1].stats["mean"] == 1.0 and not any(log._awaiting_grad.values())  # paired
+
+
+@pytest.mark.skipif(not C, reason="the twin's lane takes nothing")
+def test_forward_lane_leaves_global_backward_hooks_and_torch_function_modes_to_python():
+    module = torch.nn.GELU()
+    module._picklehooks_name = "g"
+    x = torch.randn(2, 3, requires_grad=True)
+    flags = _ops.VALUE | _ops.GRAD | _ops.STATS
+    with picklehooks.record() as log:
+        module_globals = torch.nn.modules.module
+        kind = module_globals._global_is_full_backward_hook  # which kind of global hook may be added
+        handle = module_globals.register_module_full_backward_hook(lambda *args: None)
+        try:
+            assert forward_lane(module, x * 1, flags, (x,)) is NotImplemented
+        finally:
+            handle.remove()
+            module_globals._global_is_full_backward_hook = kind  # removing the hook doesn't reset it
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        out = x * 1
+        with Mode():
+            assert forward_lane(module, out, flags, (x,)) is NotImplemented
+        assert not log._rows and out._backward_hooks is None
+        assert forward_lane(module, out, flags, (x,)) is None  # and without them, taken
+
+
 def test_forward_lane_records_nothing_for_a_thread_that_does_not_record():
     """Another thread's log records; this thread's outputs aren't its."""
     module = torch.nn.GELU()

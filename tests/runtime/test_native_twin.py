@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = next(p for p in HERE.parents if (p / "setup.py").exists())
 #: The test files whose subject is the native code (beside this one); each holds whichever implementation is on.
 NATIVE_TESTS = ("test_native_stats.py", "test_record_lane.py", "test_hook_lane.py", "test_record_builder.py",
-                "test_op_kernels.py")
+                "test_op_kernels.py", "test_tree_walk.py")
 
 needs_extension = pytest.mark.skipif(_native._speedups is None, reason="picklehooks._speedups is not built here")
 
