@@ -197,8 +197,11 @@ static PyObject *forward_lane(PyObject *self, PyObject *const *args, Py_ssize_t 
         if (!can) Py_RETURN_NOTIMPLEMENTED; /* its gradient needs a hook only Python puts */
     }
     PyObject *log = active_log(), *name = NULL, *result = NULL;
-    if (!log) return NULL;
-    if (log == Py_None) { /* another thread records, this one doesn't */
+    if (!log) {
+        Py_XDECREF(grad_fn);
+        return NULL;
+    }
+    if (log == Py_None) { /* another thread records, this one doesn't (and _eager_tap hooks nothing) */
         result = log;
         log = NULL;
         goto done;

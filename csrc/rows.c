@@ -107,7 +107,7 @@ static PyObject *DESCR[NDESCR];
 static PyObject **const DESCR_NAME[NDESCR] = {&S_dtype, &S_requires_grad, &S_shape, &S_is_cpu, &S_layout,
                                               &S_nbytes, &S_is_neg, &S_data_ptr, &S_stride};
 
-/* DESCR[which], found in types: a new reference, or NULL (with an error only on failure). */
+/* DESCR[which], found in types: a new reference, or NULL (no error set): the lookup stays. */
 static PyObject *find_descr(PyObject *types, int which) {
     PyObject *found = NULL;
     PyTypeObject *kind = which < FIRST_METHOD ? &PyGetSetDescr_Type : &PyMethodDescr_Type;
@@ -175,10 +175,7 @@ static PyObject *configure_rows(PyObject *self, PyObject *args, PyObject *kwargs
     if (!paired) return NULL;
     Py_XSETREF(PAIRED, paired);
     set_ref(&TYPES, types);
-    for (int i = 0; i < NDESCR; i++) {
-        Py_XSETREF(DESCR[i], find_descr(types, i));
-        if (!DESCR[i] && PyErr_Occurred()) return NULL;
-    }
+    for (int i = 0; i < NDESCR; i++) Py_XSETREF(DESCR[i], find_descr(types, i));
     set_ref(&CODES, codes);
     set_ref(&SOFT_ERRORS, soft);
     set_ref(&GRAD_ENABLED, grad_enabled);
