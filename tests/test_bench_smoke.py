@@ -79,3 +79,22 @@ def test_sizes_bench_prints_both_models_and_the_summary():
     counts = re.findall(r"^Records per forward\+backward: (\d+) \(defaults\), (\d+) \(everything\)\.$", out, flags=re.M)
     assert len(counts) == 2 and all(0 < int(d) < int(e) for d, e in counts), out
     assert out.count("| recording stats of every input, output, gradient and parameter") == 3, out
+
+
+def test_instruction_bench_measures_what_it_says(tmp_path):
+    """bench_instructions.py's measured step, run once without valgrind (which takes minutes): the
+    floor computes and the recording records the bench's 36 outputs (and 36 gradients)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_instructions
+    finally:
+        sys.path.remove(str(BENCH))
+    script = tmp_path / "child.py"
+    script.write_text(bench_instructions.CHILD.format(here=str(BENCH)), encoding="utf-8")
+    for backward, count in (("0", 36), ("1", 72)):
+        for variant in bench_instructions.VARIANTS:
+            proc = subprocess.run([sys.executable, str(script), variant, backward, "1"], capture_output=True,
+                                  text=True, timeout=600, cwd=BENCH.parent)
+            assert proc.returncode == 0, proc.stderr
+            if variant != "plain" and (_native.AVAILABLE or variant == "recording"):
+                assert proc.stdout.split() == [variant, str(count)], proc.stdout
