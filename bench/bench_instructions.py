@@ -15,8 +15,10 @@ its native-statistics floor (``add_native_hooks``) and recording
 ``instrument()``'s defaults (a ``record()`` block per step, then reading the
 last record's statistics), each in its own process under ``valgrind
 --tool=callgrind``, twice: with ``--steps`` timed steps and with none, after
-the same warm-up, the garbage collector off. The difference divided by the
-steps is what one step executes, start-up and imports cancelled out.
+the same warm-up, the garbage collector off, one hash seed and no BLAS or
+OpenMP worker threads (see ``QUIET``: two runs then count the same to within
+a hundred instructions). The difference divided by the steps is what one step
+executes, start-up and imports cancelled out.
 
 Limits: instructions are not time. A Python-level instruction costs more time
 than one of a vectorised kernel, and cache misses cost none here; callgrind
@@ -86,12 +88,18 @@ LABELS = {"plain": "un-instrumented", "floor": "hooks that only compute the nati
           "recording": "recording stats (+ reading them)"}
 
 
+# What makes a run's count repeatable to within a hundred instructions: one hash seed, and no BLAS
+# or OpenMP worker threads, which spin for as long as the scheduler lets them (callgrind counts
+# every thread; without these, two runs of the same steps differed by 0.4M instructions a step).
+QUIET = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
 def instructions(script: str, variant: str, backward: bool, steps: int) -> int:
     """The instructions callgrind counts for one run of ``script`` (valgrind's 'Collected' line)."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable,
                                script, variant, "1" if backward else "0", str(steps)],
-                              capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False, env={**os.environ, **QUIET})
     found = re.search(r"Collected : (\d+)", proc.stderr)
     if proc.returncode != 0 or not found:
         raise SystemExit(f"valgrind failed for {variant}: {proc.stderr[-2000:]}")
@@ -118,7 +126,8 @@ def main() -> None:
 
     print("### Instructions per step under callgrind\n")
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, 1 thread; the bench's MLP (36 modules, "
-          f"batch 32); {args.steps} steps a run, minus a run of none; garbage collector off.\n")
+          f"batch 32); {args.steps} steps a run, minus a run of none; garbage collector off, "
+          "PYTHONHASHSEED=0, one BLAS/OpenMP thread.\n")
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         script = os.path.join(tmp, "child.py")
         with open(script, "w", encoding="utf-8") as f:
