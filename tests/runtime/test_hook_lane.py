@@ -208,12 +208,13 @@ def _grad_cases():
     legacy.register_backward_hook(lambda *args: None)  # its hooks attach to the output's grad_fn
     hooked = made()
     hooked.register_hook(lambda g: None)
+    passed_on = made()  # a new non-leaf, handed back as it came in (not a leaf, not a view)
     return {
         "no inputs (an old generated hook)": (named(torch.nn.GELU()), made(), None),
         "not torch.nn's own module": (named(Custom()), made(), (x,)),
         "a module with submodules": (with_parent, made(), (x,)),
         "a legacy backward hook": (legacy, made(), (x,)),
-        "the output is an input": (named(torch.nn.Identity()), x, (x,)),
+        "the output is an input": (named(torch.nn.Identity()), passed_on, (passed_on,)),
         "a leaf": (named(torch.nn.GELU()), torch.randn(3, requires_grad=True), (x,)),
         "a view": (named(torch.nn.GELU()), made()[0], (x,)),
         "hooks already": (named(torch.nn.GELU()), hooked, (x,)),
