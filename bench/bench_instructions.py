@@ -10,10 +10,11 @@ Timing ratios on a shared 2-core host move by ±0.05× and more from run to run
 (``bench_logging.py``'s header says so), which is the size of the tiny-module
 target's margin (recording within 0.05× of the native-statistics floor). The
 instructions a step executes don't move with the neighbours: this script runs
-the bench's MLP (36 modules, batch 32) as ``bench_logging.py`` does, plain, with
-its native-statistics floor (``add_native_hooks``) and recording
-``instrument()``'s defaults (a ``record()`` block per step, then reading the
-last record's statistics), each in its own process under ``valgrind
+the bench's MLP (36 modules, batch 32) through ``bench_logging.py``'s step,
+plain, with its native-statistics floor (``add_native_hooks``) and recording
+``instrument()``'s defaults (untyped hooks: no example inputs; a ``record()``
+block per step, then reading the last record's statistics), each in its own
+process under ``valgrind
 --tool=callgrind``, twice: with ``--steps`` timed steps and with none, after
 the same warm-up, the garbage collector off, one hash seed and no BLAS or
 OpenMP worker threads (see ``QUIET``: two runs then count the same to within
@@ -46,31 +47,24 @@ import gc, sys
 sys.path.insert(0, {here!r})
 import torch
 import picklehooks
-from bench_logging import add_native_hooks, make_mlp
+from bench_logging import add_native_hooks, make_mlp, tensor_task, workload
 torch.set_num_threads(1)
 variant, backward, steps = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
 model, x = make_mlp()
+run = workload(model, tensor_task(model, x), backward)  # bench_logging's step: forward (no_grad), or +backward
 store = []
 if variant == "floor":
     add_native_hooks(model, store)
 elif variant == "recording":
     picklehooks.instrument(model)
 
-def forward():
-    if backward:
-        model(x).sum().backward()
-        model.zero_grad(set_to_none=True)
-    else:
-        with torch.no_grad():
-            model(x)
-
 def step():
     if variant == "recording":
         with picklehooks.record() as log:
-            forward()
+            run()
         log.records[-1].stats
         return len(log.records)
-    forward()
+    run()
     kept = len(store)
     store.clear()
     return kept
