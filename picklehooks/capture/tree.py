@@ -93,10 +93,11 @@ def check() -> None:
 
 
 def _check(handle, model) -> None:
-    if _native.same_tree(model, handle._tree):  # the walk in C; None: compare in Python
+    same = _native.same_tree(model, handle._tree)  # the walk in C; None: compare in Python
+    if same:
         return
     tree = _fingerprint(model)
-    if tree == handle._tree:
+    if same is None and tree == handle._tree:
         return
     handle._tree = tree
     now: dict[int, str] = {}
