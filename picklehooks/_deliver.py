@@ -40,8 +40,11 @@ COUNTED = 64
 #: this value will follow (:data:`GRAD_SURE`) or can't (:data:`GRAD_NONE`).
 GRAD_SURE, GRAD_NONE = 128, 256
 #: In a forward hook's flags only: ``grad_input`` is captured, so the eager hook looks for inputs
-#: the module changed in place (see ``_hookrt._rescue_inplace``). No kernel or record sees it.
+#: the module changed in place (read by earlier versions; views are watched now). No kernel sees it.
 INPUT_GRAD = 512
+#: On a ``record`` op traced by ``jit.trace``: the value is a number the tracer turned into a 0-dim
+#: tensor (``x.shape[0]`` passed to a module), recorded as the number eager mode records.
+NUMBER = 1024
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, _state, _taps
+from . import _ops, _state, _taps, _views
+from ._views import VIEWS as _VIEWS
 from ._shim import PicklehooksError
 from ._taps import (  # noqa: F401 - re-exported: tests, bench and earlier versions' archives read them here
     _FX_SYMBOLIC, _GRAD, _GRAD_NONE, _GRAD_SURE, _GRAPH_STATS_ON_CPU, _GUARD, _INPUT_GRAD, _PLAIN, _RECORDING,
@@ -73,43 +74,67 @@ def _name_of(module) -> str:
 
 
 def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buffers: tuple):
-    """Pre-hook body: tap positional inputs; record params/buffers; watch parameters' gradients."""
+    """Pre-hook body: tap positional inputs; record params/buffers; watch parameters' gradients.
+
+    A dotted name (``"ws.0"``) is a parameter of a child that has no call of its own (a
+    ``ParameterList`` or ``ParameterDict`` this module reads): it is read here, at this module's
+    call, and recorded and watched under the child's qualified name (``"ws"``, path ``"0"``),
+    as ``instrument()`` names its ``param_grad``.
+    """
     if skip(flags):
         return None
     name = _name_of(module)
     tracing = _tracing()
     if state_flags & _ops.VALUE:
-        for kind, names in (("param", params), ("buffer", buffers)):
-            if names:
-                values = [getattr(module, n) for n in names]
+        for kind, all_names in (("param", params), ("buffer", buffers)):
+            for where, names, values in _by_owner(module, name, all_names):
                 if tracing and torch.jit.is_tracing():
                     # jit.trace can't take the Tensor?[] argument of record_state ("unsupported
                     # input list type: Tensor?"): one record op per value delivers the same.
                     for n, v in zip(names, values):
                         if v is not None:
-                            _record(v, name, kind, n, state_flags)
+                            _record(v, where, kind, n, state_flags)
                 elif tracing:
-                    _record_state(values, name, kind, ",".join(names), state_flags)
+                    _record_state(values, where, kind, ",".join(names), state_flags)
                 else:
                     log = None if _recomputing() else _state.active()
                     for n, v in zip(names, values):
                         if log is not None and v is not None:
                             # A DTensor (FSDP2 outside its unsharded forward, tensor parallelism): its shard.
-                            _ops.record_tensor(log, name, kind, n, v.detach(), state_flags)
+                            _ops.record_tensor(log, where, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
-        values = [getattr(module, n) for n in params]
-        if not tracing:
-            _ops.watch_grads(name, params, values, state_flags)
-        elif torch.jit.is_tracing():  # jit.trace can't take a Tensor?[] argument: one op per parameter
-            # (torch.jit.is_tracing(), which dynamo understands; not torch._C._is_tracing)
-            for n, v in zip(params, values):
-                if v is not None:
-                    _watch_one(v, name, n, state_flags)
-        else:  # the graph must call the op that attaches the hooks (also after saving and loading)
-            _watch(values, name, ",".join(params), state_flags)
+        for where, names, values in _by_owner(module, name, params):
+            if not tracing:
+                _ops.watch_grads(where, names, values, state_flags)
+            elif torch.jit.is_tracing():  # jit.trace can't take a Tensor?[] argument: one op per parameter
+                # (torch.jit.is_tracing(), which dynamo understands; not torch._C._is_tracing)
+                for n, v in zip(names, values):
+                    if v is not None:
+                        _watch_one(v, where, n, state_flags)
+            else:  # the graph must call the op that attaches the hooks (also after saving and loading)
+                _watch(values, where, ",".join(names), state_flags)
     if not flags:
         return None  # the module gets its own arguments
     return tuple(_tap_inputs(name, _positional(inputs), flags, []))
+
+
+def _by_owner(module, name: str, names: tuple) -> tuple:
+    """``((module name, names there, values), ...)`` for the parameters or buffers ``names`` that
+    ``module``'s pre-hook reads: one group per owner, the module's own first. A dotted name
+    (``"ws.0"``) belongs to a child with no call of its own (see :func:`pre`)."""
+    if not names:
+        return ()
+    if "." not in ",".join(names):  # the common case, once per call: only the module's own
+        return ((name, names, [getattr(module, n) for n in names]),)
+    groups: dict = {}
+    for n in names:
+        child, _, leaf = n.rpartition(".")
+        owner = module.get_submodule(child) if child else module
+        where = (f"{name}.{child}" if name else child) if child else name
+        group = groups.setdefault(child, (where, [], []))
+        group[1].append(leaf)
+        group[2].append(getattr(owner, leaf))
+    return tuple(groups.values())
 
 
 def _positional(args: tuple) -> list:
@@ -172,53 +197,6 @@ def _legacy_backward_hooks(module) -> bool:
             or (bool(_module_globals._global_backward_hooks) and _module_globals._global_is_full_backward_hook is False))
 
 
-def _rescue_inplace(inputs: tuple) -> None:
-    """Hook the gradient of each input the module changed in place, where the view's hook is lost.
-
-    The pre-hook hands the module a view of each input, hooked for
-    ``grad_input``. A module that changes that view in place (``ReLU(inplace=True)``)
-    makes autograd route the gradient through a ``CopySlices`` node on the
-    input (the view's base) straight to the input's earlier history, past the
-    view's node and its hook. The gradient that node passes to that history is
-    the input's gradient through the module, so it is recorded there. Limit:
-    a module that also reads the input before changing it in place records
-    only the part of the gradient that flows through the change.
-    """
-    for v in inputs:
-        state = getattr(v, "_picklehooks_inplace", None) if isinstance(v, torch.Tensor) else None
-        if state is None:
-            continue
-        version, earlier, hooks = state
-        del v._picklehooks_inplace
-        if v._version == version or v._base is None or earlier is None:
-            continue
-        node, hops = v._base.grad_fn, 0
-        while node is not None and hops < 64 and node.next_functions and node.next_functions[0][0] is not earlier:
-            node, hops = node.next_functions[0][0], hops + 1
-        if node is None or not node.next_functions or node.next_functions[0][0] is not earlier:
-            continue  # not the in-place pattern (the base was changed some other way): leave the view's hook
-        # The view's node is bypassed, unless the module read the view before changing it: then
-        # it would record this call a second time. (Autograd has detached the dict from the view.)
-        mine = [k for k, h in hooks.items() if isinstance(h, _taps._GradRecorder)]  # the one the taps use
-        if not mine:
-            continue
-        recorder = hooks.pop(mine[0])  # only ours: a hook the forward put on its input stays
-        node.register_hook(_InplaceGrad(recorder))
-
-
-class _InplaceGrad:
-    """Node post-hook of :func:`_rescue_inplace`: the gradient the node passes to the input's history."""
-
-    __slots__ = ("recorder",)
-
-    def __init__(self, recorder) -> None:
-        self.recorder = recorder
-
-    def __call__(self, grad_inputs, grad_outputs) -> None:
-        if grad_inputs and grad_inputs[0] is not None:
-            self.recorder(grad_inputs[0])
-
-
 def _keeps_no_output(module) -> bool:
     """Whether ``module`` is one of torch.nn's own modules without submodules (``Linear``, ``LayerNorm``,
     ``GELU``...), which compute their output last and never use it themselves (``MultiheadAttention``,
@@ -231,15 +209,16 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
 
     ``inputs`` (the hook's positional inputs) lets a gradient hook sit on the
     output itself; hooks generated before it existed pass none and hook a view.
-    :data:`INPUT_GRAD` in ``flags``: ``grad_input`` is captured, so eager mode
-    looks for inputs the module changed in place (see :func:`_rescue_inplace`).
+    Every eager call first looks for hooked views changed in place since they
+    were hooked (:func:`picklehooks._views.rescue`): an input this module
+    changed (``ReLU(inplace=True)``), an earlier module's output its caller changed.
     """
     if _dynamo_compiling() or _compiler._is_compiling_flag or _fx._is_fx_tracing_flag or _is_jit_tracing():
         # _tracing() (see _dynamo_compiling); first, as in skip()
         return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
-    if flags & _INPUT_GRAD:
-        if inputs and _RECORDING:
-            _rescue_inplace(inputs)
+    if _VIEWS:  # hooked views, which this module or its caller may have changed in place since
+        _views.rescue()
+    if flags & _INPUT_GRAD:  # (generated hooks pass it where grad_input is captured; views cover it now)
         flags &= ~_INPUT_GRAD
         if not flags:
             return None

@@ -71,7 +71,7 @@ import torch
 
 from . import _native, _state
 from ._deliver import (  # noqa: F401 - re-exported: generated text, archives and the host read them here
-    COUNTED, GRAD, GRAD_NONE, GRAD_SURE, GUARD, INPUT_GRAD, PARAM_GRAD, RANGE_PREFIX, STATS, TENSOR, VALUE,
+    COUNTED, GRAD, GRAD_NONE, GRAD_SURE, GUARD, INPUT_GRAD, NUMBER, PARAM_GRAD, RANGE_PREFIX, STATS, TENSOR, VALUE,
     _FSDP_STATE, _MODULES, _OWNERS_ATTR, _PLAIN, _RANGES, _SITE_CALLS_KEPT, _SITE_MODULUS, _SITE_SHIFT, _SITES,
     _WATCHED, _ZEROED, NonfiniteError, _active_log, _deliver, _deliver_grad, _note_site, _pair_by_site,
     check_finite, graph_site, range_enter, range_exit, record_tensor, unwatch_grads, unzero_grads, watch_grads,
@@ -187,6 +187,9 @@ def _define_ops() -> None:
 def _record_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> None:
     log = _active_log()  # _deliver(), inlined: every value a graph or scripted hook records comes here
     if log is not None:
+        if flags & NUMBER:
+            log._add_value(module, kind, path, x.item())
+            return
         log._add_tensor(module, kind, path, x, flags)
         if flags >> _SITE_SHIFT:
             _note_site(log, module, kind, path, flags)

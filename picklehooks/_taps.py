@@ -28,6 +28,7 @@ from collections import Counter, OrderedDict, defaultdict
 import torch
 
 from . import _native, _ops, _state, _stats
+from ._views import watch as _watch_view
 
 _FX_SYMBOLIC = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) or torch.fx._symbolic_trace.is_fx_tracing
 
@@ -234,10 +235,10 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
     autograd keeps a view's base right when the caller changes either in
     place, so an in-place module still changes its caller's tensor, and a
     tensor shared with other consumers only reports the gradient flowing
-    through this use. If the caller changes such a view in place, autograd
-    rebuilds its history and the hook, with that call's gradient record, is
-    lost, as a plain tensor hook would be; the model computes what it would
-    have. (An input the module changes in place: see :func:`_rescue_inplace`.)
+    through this use. If the caller (or the next module, ``ReLU(inplace=True)``)
+    changes such a view in place, autograd routes its gradient past the view's
+    node, where a plain tensor hook is lost; :func:`picklehooks._views.rescue` then hooks
+    it where the change sends it.
 
     ``direct``: the module is known not to use its own output (see
     :func:`_keeps_no_output`), or legacy ``register_backward_hook`` hooks
@@ -272,15 +273,14 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         recorder = _GradRecorder(name, "grad_" + kind, path, flags)
         if keep:
             _hook_grad(x, recorder)  # inside a container the module or caller may hold: x itself
+            if x._is_view():
+                _watch_view(x, recorder)
         elif inputs is None or x.is_leaf or x._is_view() or any(x is i for i in inputs):
             # A view stays a view (Flatten, view(-1), an input handed back): autograd must know that
             # a caller's in-place change to it changes its base too, which an alias would hide.
-            base = x
             x = x.view_as(x)
             _hook_grad(x, recorder)
-            if inputs is None and kind == "input":
-                # An input: remember what _rescue_inplace needs should the module change it in place.
-                x._picklehooks_inplace = (x._version, base.grad_fn, x._backward_hooks)
+            _watch_view(x, recorder)
         elif direct:
             _hook_grad(x, recorder)  # stays with this value if the caller changes it in place
         elif _functorch_active():  # vmap, grad: the full apply (which binds arguments by signature)
@@ -309,6 +309,14 @@ def _stats_in_graph(x, flags: int) -> bool:
             and (_GRAPH_STATS_ON_CPU or x.device.type != "cpu"))
 
 
+def _traced_number(x: torch.Tensor) -> bool:
+    """Whether ``jit.trace`` made ``x`` from a number (``prim::NumToTensor``), not a tensor the model made."""
+    try:
+        return torch._C._get_value_trace(x).node().kind() == "prim::NumToTensor"
+    except RuntimeError:  # not a traced value
+        return False
+
+
 def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     """What a graph runs for one tensor: the ``record`` op reads it where it is.
 
@@ -323,6 +331,12 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
             # The record op and the tap op share a site, so that the gradient finds this call
             # however the compiled backward is ordered (see _ops.graph_site).
             flags |= _graph_site() << _ops._SITE_SHIFT
+    if not _is_compiling() and _is_jit_tracing() and isinstance(x, torch.Tensor) and x.dim() == 0 \
+            and _traced_number(x):  # (is_compiling first: Dynamo can't trace torch._C._is_tracing)
+        # A number passed to a module (XCiT's H, W), which jit.trace makes a tensor: eager records a value.
+        if flags & _ops.VALUE:
+            _record(x, name, kind, path, (flags & ~_ops.STATS & ~_ops.TENSOR) | _ops.NUMBER)
+        return x
     if flags & _ops.VALUE:
         if _stats_in_graph(x, flags):
             _record_stats(_stats.graph_stats(x), name, kind, path, flags, x.shape, x.dtype)
