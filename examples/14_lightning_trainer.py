@@ -58,7 +58,7 @@ with tempfile.TemporaryDirectory() as root:
     callback = PicklehooksCallback(capture=("output", "grad_output", "param_grad"), every_n_steps=3)
     fit(Regressor(), callback, root)
     frame = callback.recorded.to_pandas(module="net.0", kind="output")
-    print("net.0 outputs at recorded steps 0 and 3, one per micro-batch:")
+    print("net.0 outputs at the steps Lightning logs with log_every_n_steps=3 (2 and 5), one per micro-batch:")
     print(frame[["step", "call", "mean", "absmax"]].to_string(index=False))
 
     guarded = PicklehooksCallback(on_nonfinite="raise")

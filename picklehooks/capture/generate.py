@@ -110,10 +110,24 @@ def annotation(shape: Shape) -> str:
 
 
 def _attribute(name: str) -> str:
-    """``module.<name>``, or ``getattr(module, '<name>')`` for a name that is no identifier (a ParameterList's "0")."""
-    if name.isidentifier() and not keyword.iskeyword(name):
-        return f"module.{name}"
-    return f"getattr(module, {name!r})"
+    """``module.<name>``, or ``getattr(module, '<name>')`` for a name that is no identifier (a ParameterList's "0");
+    a dotted name (``"ws.0"``, a parameter of a child ``ParameterList``) reads each part in turn."""
+    expr = "module"
+    for part in name.split("."):
+        expr = f"{expr}.{part}" if part.isidentifier() and not keyword.iskeyword(part) else f"getattr({expr}, {part!r})"
+    return expr
+
+
+def _by_owner(names: tuple) -> list[tuple[str, list[str]]]:
+    """``(module-name expression, names there)`` per owner of ``names``: the hooked module's own first, then
+    each child's dotted ones (``"ws.0"``: ``"0"`` of child ``ws``, named as :func:`picklehooks._hookrt.pre`
+    names it). The expression is TorchScript, reading the hooked module's ``name``."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        child, _, leaf = n.rpartition(".")
+        groups.setdefault(child, []).append(n)
+    return [("name" if not child else f"(name + {'.' + child!r} if name != '' else {child!r})",
+             members) for child, members in groups.items()]
 
 
 class _Emitter:
@@ -206,17 +220,19 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
     em = _Emitter("input", flags)
     body = ["    name = module._picklehooks_name"]
     values = [f"inputs[{i}]" for i in range(len(inputs))]
-    for kind, names in (("param", params), ("buffer", buffers)):
-        if names and state_flags & VALUE:
+    for kind, all_names in (("param", params), ("buffer", buffers)):
+        for owner, names in _by_owner(all_names) if state_flags & VALUE else ():
             # Annotated: TorchScript types e.g. Conv2d.bias as Tensor?, and lists are invariant.
             refs = f"torch.jit.annotate(List[Optional[torch.Tensor]], [{', '.join(_attribute(n) for n in names)}])"
-            em.lines.append(f"    torch.ops.picklehooks.record_state({refs}, name, {kind!r}, {','.join(names)!r}, "
+            leaves = ",".join(n.rpartition(".")[2] for n in names)
+            em.lines.append(f"    torch.ops.picklehooks.record_state({refs}, {owner}, {kind!r}, {leaves!r}, "
                             f"{state_flags})")
-    if state_flags & PARAM_GRAD and params:
+    for owner, names in _by_owner(params) if state_flags & PARAM_GRAD else ():
         # The op's kernel attaches gradient hooks to the parameters themselves.
-        refs = ", ".join(_attribute(n) for n in params)
+        refs = ", ".join(_attribute(n) for n in names)
+        leaves = ",".join(n.rpartition(".")[2] for n in names)
         em.lines.append(f"    torch.ops.picklehooks.watch(torch.jit.annotate(List[Optional[torch.Tensor]], [{refs}]), "
-                        f"name, {','.join(params)!r}, {state_flags})")
+                        f"{owner}, {leaves!r}, {state_flags})")
     if flags:
         values = [em.emit(s, values[i], str(i), "    ") for i, s in enumerate(inputs)]
     ret = "(" + "".join(v + ", " for v in values) + ")"

@@ -120,6 +120,8 @@ def keep(module: torch.nn.Module, owner) -> None:
 
     Held by the :class:`HookDict` only: it pickles and copies as a plain ``OrderedDict``, so the
     owner never travels with the model. A module whose dictionaries are plain keeps nothing.
+    The owner must hold the module (and its model) weakly, as an ``Instrumentation`` does:
+    otherwise the two make a reference cycle, and a deleted model waits for the garbage collector.
     """
     for attr in _ATTRS:
         hooks = module.__dict__.get(attr)

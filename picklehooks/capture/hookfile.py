@@ -132,9 +132,10 @@ def load_hooks(model: nn.Module, path: str | os.PathLike, *, trust: bool | list[
 
     ``trust``: ``True`` attaches every hook; a list attaches them only if it
     names each one (its name or :func:`fingerprint`); ``False`` attaches none
-    (the spec only); ``None`` (the default) refuses a file that holds hooks,
-    before decoding or attaching anything, saying how to review them. The
-    spec is applied in every case. Nothing is attached unless everything can be.
+    (the spec only) and warns, naming each and how to review it; ``None``
+    (the default) refuses a file that holds hooks, before decoding or
+    attaching anything, saying how to review them. The spec is applied in
+    every case. Nothing is attached unless everything can be.
     """
     if not isinstance(model, nn.Module):
         raise PicklehooksError(f"load_hooks() takes an nn.Module, got {type(model).__name__}")
@@ -158,6 +159,14 @@ def load_hooks(model: nn.Module, path: str | os.PathLike, *, trust: bool | list[
     elif trust not in (True, False, None):
         raise PicklehooksError(f"trust={trust!r}: give True, False, or a list of hook names or fingerprints")
     if trust is False:
+        if hooks:  # said, as trust=None says it: nothing is attached without a word
+            warnings.warn(
+                f"load_hooks(trust=False) attached none of the {len(hooks)} hooks in {os.fspath(path)!r}, only the "
+                "instrumentation spec: " + ", ".join(
+                    f"{h['kind']} hook on {h['module'] or '(root)'} (fingerprint {fingerprint(h['name'])})"
+                    for h in hooks[:5]) + (" ..." if len(hooks) > 5 else "") + "; they are code that runs when the "
+                f"model runs: review them with `python -m picklehooks inspect {os.fspath(path)}`, then pass "
+                "trust=True, or trust=[their names or fingerprints], to attach them", UserWarning, stacklevel=2)
         hooks = []
     modules = dict(model.named_modules())
     missing = sorted({h["module"] for h in hooks if h["module"] not in modules})

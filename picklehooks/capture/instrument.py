@@ -20,7 +20,15 @@ Limits:
   and which skips modules called otherwise (seen in ``example_inputs``) so
   that the model still scripts, naming each in ``handle.skipped``.
 * ``torch.fx.symbolic_trace`` drops the root module's hooks, so the root is
-  only chosen when a pattern names it (``modules=[""]``).
+  only chosen when a pattern names it (``modules=[""]``), or by default
+  where it is all there is: a model without submodules (``nn.Linear``),
+  whose root hooks FX drops all the same.
+* A ``ParameterList`` or ``ParameterDict`` is never called: its parameters
+  are read by the module that holds it, so they are recorded at that
+  owner's call, under the list's own name (module ``"block.ws"``, path
+  ``"0"``, as their ``param_grad``), where both are chosen and the owner
+  gets hooks. A list on the root is therefore recorded only where the root
+  is chosen too (``modules=["", "*"]``; not under FX).
 * ``param_grad`` hooks are attached by ``instrument()`` itself, for every
   owner of a parameter (tied weights are recorded under each chosen module
   that holds them), and, in a model loaded elsewhere, by the first forward of
@@ -38,6 +46,7 @@ import copy
 import inspect
 import textwrap
 import typing
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -73,21 +82,32 @@ class Instrumentation:
     handle alive (see :func:`picklehooks.capture.hookdict.keep`), so that
     :mod:`picklehooks.capture.tree` can check the model for surgery and
     ``save_hooks`` can find the spec, also when the caller dropped the handle.
+    The handle holds the model and its modules weakly (``modules`` is a
+    :class:`~picklehooks.capture.tree.WeakModules`): no reference cycle, so a model
+    is freed as soon as its last reference goes, as an uninstrumented one is
+    (``model`` is then ``None``).
     """
 
     def __init__(self, model: nn.Module, spec: dict | None = None, example: tuple = (None, None)) -> None:
-        self.model = model
-        self.modules: dict[str, nn.Module] = {}
+        self._model = weakref.ref(model)
+        self.modules: _tree.WeakModules = _tree.WeakModules()  # qualified name -> module
         self.skipped: dict[str, str] = {}  # qualified name -> why it got no hooks
-        self._handles: list[RemovableHandle] = []
-        self._watching: dict[str, nn.Module] = {}  # modules whose parameters' gradients are watched
+        self._handles: list[RemovableHandle] = []  # they hold their hook dictionaries weakly
+        # modules whose parameters' gradients are watched (and those parameters, for remove())
+        self._watching: _tree.WeakModules = _tree.WeakModules(params=True)
         self._spec = spec
         self._example = example  # example_inputs/kwargs: refresh() needs them again for scriptable hooks
         self._state_flags = 0  # the param_grad hooks' flags, to watch a moved module under its new name
         self._tree: list | None = None  # the model's tree as instrumented (see picklehooks.capture.tree)
-        # ("hooked" or "watched", name, module) for modules that left the tree with our hooks still on
-        # them (tree.py moves them here, so a module moving into their name can't hide them from remove()).
-        self._gone: list[tuple[str, str, nn.Module]] = []
+        # ("hooked" or "watched", name, WeakModules entry) for modules that left the tree with our hooks
+        # still on them (tree.py moves them here, so a module moving into their name can't hide them
+        # from remove()).
+        self._gone: list[tuple[str, str, tuple]] = []
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The instrumented model, or ``None`` once it was freed (the handle doesn't keep it alive)."""
+        return self._model()
 
     @property
     def spec(self) -> dict:
@@ -103,6 +123,8 @@ class Instrumentation:
         up new modules such as LoRA adapters). The handle stays the same object.
         """
         model, spec, (inputs, kwargs) = self.model, self._spec, self._example
+        if model is None:
+            raise PicklehooksError("the instrumented model was freed: there is nothing to refresh")
         settings = from_spec(spec)
         _select(model, settings.get("modules"), settings.get("depth"))  # chooses nothing: raise with the hooks on
         self.remove()
@@ -124,13 +146,16 @@ class Instrumentation:
             handle.remove()
         self._handles.clear()
         gone = self._gone
-        for module in [*self.modules.values(), *(m for kind, _, m in gone if kind == "hooked")]:
+        for module in [*self.modules.values(), *(_tree.entry_module(e) for kind, _, e in gone if kind == "hooked")]:
+            if module is None:  # freed: nothing left on it
+                continue
             module.__dict__.pop(_NAME_ATTR, None)
             if getattr(module.__dict__.get(_PREPARE_ATTR), "__module__", None) == HUB_NAME:
                 del module.__dict__[_PREPARE_ATTR]
             _hookdict.restore(module)
-        for name, module in [*self._watching.items(), *((n, m) for kind, n, m in gone if kind == "watched")]:
-            _ops.unwatch_grads(module.parameters(recurse=False), name)
+        # A freed module's parameters may live on elsewhere (tied, or moved into a replacement).
+        for name, entry in [*self._watching.entries(), *((n, e) for kind, n, e in gone if kind == "watched")]:
+            _ops.unwatch_grads(_tree.entry_params(entry), name)
         self.modules.clear()
         self._watching.clear()
         gone.clear()
@@ -315,6 +340,9 @@ def instrument(
         with picklehooks.record() as log:
             model(x).sum().backward()
 
+    ``modules`` (name patterns or module types) and ``depth`` choose the
+    modules; by default every submodule but the root, or the root itself in
+    a model without submodules (``instrument(nn.Linear(4, 4))``).
     ``on_nonfinite="raise"`` makes every chosen module's output, and its
     gradient, a guard that raises :class:`~picklehooks.NonfiniteError` naming
     the module and the step (one host sync per tensor, recording or not).
@@ -388,11 +416,14 @@ def instrument(
                           "so its hooks would never run and TorchScript can't compile them; its children are "
                           "instrumented")
                 own = [n for n, p in module.named_parameters(recurse=False) if p is not None]
-                if own and "param" in kinds:
-                    # A ParameterList the parent reads directly: no call of its own to record them at.
+                owner = name.rpartition(".")[0]
+                if own and "param" in kinds and (not name or owner not in handle.modules):
+                    # A ParameterList's parameters are recorded at its owner's call (see below), if it has hooks
+                    # (the owner comes first in named_modules() order).
                     reason += (f"; its own parameters ({', '.join(own[:4])}{', ...' if len(own) > 4 else ''}) "
-                               "get no 'param' records" + (" (their 'param_grad' is recorded)"
-                                                           if "param_grad" in kinds else ""))
+                               f"are recorded at its owner's call, and its owner {owner!r} has no hooks: "
+                               f"choose it too (modules=[..., {owner!r}]) to get their 'param' records"
+                               if name else "; its own parameters get no 'param' records")
                 handle.skipped[name] = reason
                 continue
             if scriptable and _overloaded_forward(module):
@@ -407,6 +438,14 @@ def instrument(
                     continue
             params = tuple(n for n, p in module.named_parameters(recurse=False)
                            if p is not None) if {"param", "param_grad"} & kinds else ()
+            if {"param", "param_grad"} & kinds:
+                # A chosen child that is never called (ParameterList, ParameterDict): this module reads
+                # its parameters, so its pre-hook records and watches them ("ws.0": parameter "0" of
+                # child "ws", recorded under the child's name, as its param_grad is above).
+                params += tuple(f"{attr}.{n}" for attr, child in module.named_children()
+                                if type(child).forward is nn.Module.forward
+                                and (f"{name}.{attr}" if name else attr) in chosen
+                                for n, p in child.named_parameters(recurse=False) if p is not None)
             buffers = tuple(n for n, b in module.named_buffers(recurse=False)
                             if b is not None) if "buffer" in kinds else ()
             in_shapes, out_shape = _shapes(module, observed.get(name))

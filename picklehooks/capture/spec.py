@@ -11,9 +11,10 @@ loaded elsewhere (``from_pretrained``), or to another one::
 
 The module selection is kept *as given*, so that it selects by the same rule
 on a changed tree: name patterns as they were written, module types by their
-qualified class name, ``"all"`` for every submodule. A type matches a module
-whose class, or any base class, has that qualified name, so re-applying a
-spec never imports anything.
+qualified class name, ``"all"`` for every submodule (the root itself where
+the model has no submodules). A type matches a module whose class, or any
+base class, has that qualified name, so re-applying a spec never imports
+anything.
 
 Limits: ``example_inputs``/``example_kwargs`` (values, not settings) are not
 part of a spec: pass them again beside ``spec=`` where ``scriptable=True``
@@ -142,7 +143,8 @@ def check_capture(capture: str | Iterable[str]) -> set[str]:
 
 def select(model: nn.Module, modules, depth: int | None) -> dict[str, nn.Module]:
     """Qualified name -> module for what ``modules`` (patterns, types, :class:`TypeName` objects; ``None``: every
-    submodule but the root) and ``depth`` choose in ``model``, in ``named_modules()`` order."""
+    submodule but the root, or the root of a model without submodules) and ``depth`` choose in ``model``, in
+    ``named_modules()`` order."""
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise PicklehooksError(f"depth={depth!r}: use a non-negative int (1 = the model's children)")
     if modules is not None and (isinstance(modules, (str, type, TypeName)) or not isinstance(modules, Iterable)):
@@ -153,8 +155,10 @@ def select(model: nn.Module, modules, depth: int | None) -> dict[str, nn.Module]
         if depth is not None and level > depth:
             continue
         if modules is None:
-            if name == "":
-                continue  # FX drops root hooks; name "" explicitly to hook the root
+            if name == "" and next(model.children(), None) is not None:
+                # FX drops root hooks; name "" explicitly to hook the root. A model that is one leaf
+                # module (nn.Linear) has nothing else to hook, so its root is chosen.
+                continue
         elif not any(
             (isinstance(p, str) and fnmatch.fnmatchcase(name, p)) or (isinstance(p, type) and isinstance(module, p))
             or (isinstance(p, TypeName) and p.matches(module))

@@ -4,9 +4,12 @@
 and :mod:`~picklehooks.integrations.lightning` only tell it when a trainer's
 events happen. The rules, the same in both:
 
-* **Which steps.** Optimizer step ``i`` (counting from 0) is recorded when
-  ``i % every_n_steps == 0``, so the first one always is; in between the
-  hooks stay idle (``record()``'s cost when nothing records).
+* **Which steps.** A step is recorded when the framework's own logging rule,
+  with ``every_n_steps`` as its logging interval, logs it (each callback
+  says which rule), so that with ``every_n_steps`` equal to the trainer's
+  logging interval the records and the trainer's logged loss are at the same
+  steps; in between the hooks stay idle (``record()``'s cost when nothing
+  records). ``every_n_steps=1`` records every step.
 * **Steps and micro-batches.** A recorded step's records carry the step the
   trainer's own trackers put that step's loss at (the callback says which),
   and ``call`` counts anew at each step (:meth:`~picklehooks.Log.begin_step`):
@@ -150,10 +153,11 @@ class StepRecorder:
                 self.log.flush()
 
     # -- one optimizer step ------------------------------------------------------
-    def begin_step(self, index: int, step: int) -> bool:
-        """Optimizer step number ``index`` (from 0) begins; its records carry ``step``. Return whether it records."""
+    def begin_step(self, step: int, chosen: bool) -> bool:
+        """An optimizer step begins; its records carry ``step``; ``chosen``: whether the framework's logging
+        rule picks it (see the callbacks). Return whether it records."""
         self.deactivate()
-        self.step = step if index % self.every_n_steps == 0 else None
+        self.step = step if chosen else None
         if self.step is not None:
             _tree.check()  # as record() does: surgery since the last step renames and warns
             self.log.begin_step(step)

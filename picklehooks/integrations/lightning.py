@@ -15,6 +15,12 @@ trackers are handled is in :mod:`picklehooks.integrations._training`; here:
 * **Step numbers** are ``trainer.global_step`` as the optimizer step begins
   (0 for the first): the step Lightning's loggers put values that
   ``self.log`` logged in that step's last ``training_step`` at.
+* **Which steps**: Lightning's own logging rule
+  (``_LoggerConnector.should_update_logs``) with ``every_n_steps`` as
+  ``log_every_n_steps``: step ``i`` (from 0) when
+  ``(i + 1) % every_n_steps == 0``, and every step once ``trainer.should_stop``
+  is set. With ``every_n_steps == log_every_n_steps`` every recorded step is
+  a step whose ``self.log`` values Lightning logs.
 * **Micro-batches** (``accumulate_grad_batches``): ``call == k`` for the k-th
   micro-batch of a module run once per forward.
 * **param_grad** is read in ``on_train_batch_end`` of the batch that stepped:
@@ -30,8 +36,10 @@ trackers are handled is in :mod:`picklehooks.integrations._training`; here:
   nothing records after an exception; the records so far stay in ``callback.recorded``.
 
 Limits: automatic optimization with one optimizer; validation and test loops
-are not recorded; a module only Lightning's strategy wraps (``DDP``) is
-instrumented as the ``LightningModule`` it wraps.
+are not recorded; a step in which ``trainer.should_stop`` is set (which
+Lightning logs) is recorded only if the rule chose it as it began; a module
+only Lightning's strategy wraps (``DDP``) is instrumented as the
+``LightningModule`` it wraps.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ __all__ = ["PicklehooksCallback"]
 class PicklehooksCallback(Callback):
     """Record chosen steps of a Lightning fit into :attr:`recorded` (see the module's docstring).
 
-    ``every_n_steps``: record optimizer step ``i`` (from 0) when ``i % every_n_steps == 0``.
+    ``every_n_steps``: record the steps Lightning would log with ``log_every_n_steps=every_n_steps``
+    (step ``i``, from 0, when ``(i + 1) % every_n_steps == 0``).
     ``sink``: a directory to stream the records to as Parquet (``pip install 'picklehooks[parquet]'``).
     ``trackers``: send per-layer summaries of each recorded step to ``trainer.loggers``. The other
     keyword arguments are :func:`picklehooks.instrument`'s: ``modules``, ``depth``, ``capture``,
@@ -74,7 +83,10 @@ class PicklehooksCallback(Callback):
         index = trainer.global_step
         if index != self._index:  # the first micro-batch of an optimizer step
             self._index = index
-            self._core.begin_step(index, index)
+            # _LoggerConnector.should_update_logs, with every_n_steps as log_every_n_steps: Lightning
+            # decides after the step's last batch, when _batches_that_stepped is still what it is here.
+            stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+            self._core.begin_step(index, (stepped + 1) % self._core.every_n_steps == 0 or trainer.should_stop)
         self._core.activate()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -15,6 +15,11 @@ trackers are handled is in :mod:`picklehooks.integrations._training`; here:
 * **Step numbers** are the Trainer's ``state.global_step`` once the step is
   done (1 for the first optimizer step): the step the Trainer logs that
   step's ``loss`` and ``grad_norm`` at, so both line up in TensorBoard.
+* **Which steps**: the Trainer's own logging rule (``DefaultFlowCallback``)
+  with ``every_n_steps`` as ``logging_steps``: step ``s`` when
+  ``s % every_n_steps == 0``, and step 1 too where ``logging_first_step``
+  is set. With ``every_n_steps == logging_steps`` every recorded step is a
+  step whose loss the Trainer logs.
 * **Micro-batches** (``gradient_accumulation_steps``): ``call == k`` for the
   k-th micro-batch of a module run once per forward.
 * **param_grad** is read in ``on_pre_optimizer_step``: after the Trainer
@@ -31,7 +36,8 @@ trackers are handled is in :mod:`picklehooks.integrations._training`; here:
 Limits: the Trainer is found from the callback's ``on_train_begin`` (the
 frame that called it); a training loop that calls the callback's events
 itself, without a ``Trainer``, gets no exception safety and no trackers, and
-is warned. Evaluation and prediction are not recorded.
+is warned. Evaluation and prediction are not recorded. Which steps record
+follows the ``"steps"`` logging rule whatever ``logging_strategy`` is.
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ def _calling_trainer(depth: int = 12):
 class PicklehooksCallback(transformers.TrainerCallback):
     """Record chosen steps of a ``Trainer`` run into :attr:`recorded` (see the module's docstring).
 
-    ``every_n_steps``: record optimizer step ``i`` (from 0) when ``i % every_n_steps == 0``.
+    ``every_n_steps``: record the steps the Trainer would log with ``logging_steps=every_n_steps``
+    (step ``s``, from 1, when ``s % every_n_steps == 0``; also step 1 with ``logging_first_step``).
     ``sink``: a directory to stream the records to as Parquet (``pip install 'picklehooks[parquet]'``).
     ``trackers``: send per-layer summaries of each recorded step to the Trainer's TensorBoard and
     MLflow. The other keyword arguments are :func:`picklehooks.instrument`'s: ``modules``,
@@ -98,11 +105,14 @@ class PicklehooksCallback(transformers.TrainerCallback):
             self._wrap(trainer)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        step = state.global_step + 1  # what global_step is once this step is done, when the Trainer decides
+        # DefaultFlowCallback.on_step_end's rule for should_log, with every_n_steps as logging_steps.
+        chosen = step % self._core.every_n_steps == 0 or (step == 1 and args.logging_first_step)
         if self._trainer is None:  # no wrapped training_step: record from here to the step's end
-            if self._core.begin_step(state.global_step, state.global_step + 1):
+            if self._core.begin_step(step, chosen):
                 self._core.activate()
             return
-        self._core.begin_step(state.global_step, state.global_step + 1)
+        self._core.begin_step(step, chosen)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._core.deactivate()

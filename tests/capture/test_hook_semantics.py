@@ -30,7 +30,7 @@ from torch import nn
 
 import picklehooks
 from picklehooks.serialize.portable import module_text
-from tests.models import hf
+from tests.models import hf, small
 
 WHEN = ["before", "after"]
 STATES = ["idle", "recording", "removed"]
@@ -727,22 +727,65 @@ def test_portable_hook_importing_in_its_body_scripts(tmp_path):
     assert out.strip() == str(model(torch.ones(2)).tolist())
 
 
-def test_a_parameter_list_says_its_parameters_get_no_param_records():
-    class UsesList(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ws = nn.ParameterList([nn.Parameter(torch.randn(3, 3)) for _ in range(2)])
-            self.lin = nn.Linear(3, 3)
+class _UsesLists(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.randn(3, 3)) for _ in range(2)])
+        self.pd = nn.ParameterDict({"a": nn.Parameter(torch.randn(3))})
+        self.lin = nn.Linear(3, 3)
 
-        def forward(self, x):
-            return self.lin(x @ self.ws[0] @ self.ws[1])
+    def forward(self, x):
+        return self.lin(x @ self.ws[0] @ self.ws[1] * self.pd["a"])
 
-    model = UsesList()
+
+class _HoldsLists(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _UsesLists()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("form", ["eager", "script", "trace", "fx", "compile", "export"])
+def test_parameter_list_and_dict_parameters_are_recorded_at_their_owners_call(form):
+    """A ParameterList/ParameterDict is never called: its owner's call records its parameters, under the
+    list's own name (module "inner.ws", path "0"), as their param_grad is named; the values are the plain ones."""
+    torch.manual_seed(0)
+    model, x = _HoldsLists(), torch.randn(2, 3)
+    plain = copy.deepcopy(model)
+    plain(x).sum().backward()
+    lists = {"inner.ws": plain.inner.ws, "inner.pd": plain.inner.pd}
+    handle = picklehooks.instrument(model, capture="all", scriptable=form == "script", example_inputs=(x,))
+    assert not any("'param' records" in handle.skipped[n] for n in lists), handle.skipped
+    run = {"eager": lambda: model, "script": lambda: torch.jit.script(model),
+           "trace": lambda: torch.jit.trace(model, (x,)), "fx": lambda: torch.fx.symbolic_trace(model),
+           "compile": lambda: torch.compile(model, fullgraph=True),
+           "export": lambda: torch.export.export(model, (x,)).module()}[form]()
+    with picklehooks.record() as log:
+        run(x).sum().backward()
+    got = {(r.module, r.kind, r.path): r.stats for r in log.records if r.module in lists}
+    want = {(name, kind, n): p if kind == "param" else p.grad
+            for name, owner in lists.items() for n, p in owner.named_parameters() for kind in ("param", "param_grad")}
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key]["shape"] == tuple(value.shape), key
+        assert got[key]["mean"] == pytest.approx(value.double().mean().item(), rel=1e-6, abs=1e-7), key
+        assert got[key]["norm"] == pytest.approx(value.double().norm().item(), rel=1e-6, abs=1e-7), key
+
+
+def test_a_parameter_list_whose_owner_has_no_hooks_names_the_fix():
+    """The root owns the list and isn't chosen by default: the list's skip reason says how to get its records."""
+    model = _UsesLists()
     handle = picklehooks.instrument(model, capture="all")
-    assert "'param' records" in handle.skipped["ws"] and "0, 1" in handle.skipped["ws"], handle.skipped
+    assert "modules=[..., '']" in handle.skipped["ws"] and "0, 1" in handle.skipped["ws"], handle.skipped
+    handle.remove()
+    handle = picklehooks.instrument(model, modules=["", "*"], capture="all")
+    assert "'param' records" not in handle.skipped["ws"], handle.skipped
     with picklehooks.record() as log:
         model(torch.randn(2, 3)).sum().backward()
-    assert {(r.path, r.kind) for r in log.records if r.module == "ws"} == {("0", "param_grad"), ("1", "param_grad")}
+    assert {(r.path, r.kind) for r in log.records if r.module == "ws"} == {
+        (n, kind) for n in ("0", "1") for kind in ("param", "param_grad")}
 
 
 def test_global_hooks_registered_first_see_no_probe_and_keep_idle_hooks_free():
@@ -765,12 +808,22 @@ def test_global_hooks_registered_first_see_no_probe_and_keep_idle_hooks_free():
     assert out.strip() == '[[], true]'
 
 
-def test_scripting_a_model_whose_overloaded_module_is_instrumented_names_the_fix():
-    from tests.models.small import RNN  # calls nn.LSTM(x, (h0, c0))
+class _ScriptedRNN(small.RNN):  # calls nn.LSTM(x, (h0, c0))
+    """Scripted by one test only: see test_scripting_a_model_whose_overloaded_module_is_instrumented_names_the_fix."""
 
-    model = RNN()
+
+class _PlainScriptedRNN(small.RNN):
+    """Its plain twin, of a type of its own."""
+
+
+def test_scripting_a_model_whose_overloaded_module_is_instrumented_names_the_fix():
+    # Every scripted module's first call is compared with the plain one's first call: TorchScript shares a
+    # compiled forward, and its executor, among the modules of one type, and a later call runs the optimized
+    # graph, which may differ from the first (profiling) run in the last bit. So the plain module has a type
+    # of its own, and no other test scripts these types.
+    model = _ScriptedRNN()
     args = (torch.randn(2, 5, 4), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))
-    plain = torch.jit.script(RNN())(*args)
+    plain = torch.jit.script(_PlainScriptedRNN())(*args)
     handle = picklehooks.instrument(model)
     with picklehooks.record() as log:
         model(*args)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -196,6 +197,32 @@ def test_without_trust_nothing_is_decoded_or_attached(saved):
     assert f"spec only: 0 {handle[1]}" in out
 
 
+def test_trust_false_names_every_hook_it_leaves_off(saved, tmp_path):
+    """trust=False applies the spec alone and says so: which hooks were not attached, why, and how to attach them."""
+    root, doc, handle, _, _ = saved
+    model = transformers.GPT2LMHeadModel.from_pretrained(root / "hf")
+    with pytest.warns(UserWarning, match=r"trust=False\) attached none") as caught:
+        loaded = picklehooks.load_hooks(model, root / "hf", trust=False)
+    message = " ".join(str(w.message) for w in caught)
+    assert f"none of the {len(doc['hooks'])} hooks" in message
+    for hook in doc["hooks"]:
+        assert f"{hook['kind']} hook on {hook['module']} (fingerprint {hookdoc.fingerprint(hook['name'])})" in message
+    assert "python -m picklehooks inspect" in message and "trust=True" in message
+    assert loaded.hooks == [] and sorted(loaded.instrumentation.modules) == handle[1]
+    attached = {getattr(fn, "__name__", None) for m in model.modules()
+                for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks) for fn in hooks.values()}
+    assert attached and attached.isdisjoint(h["name"] for h in doc["hooks"])  # the spec's hooks only
+    loaded.remove()
+    # A file with a spec and no hooks leaves nothing off: nothing to say.
+    spec_only = tiny_gpt2()
+    picklehooks.instrument(spec_only, modules=list(LAYERS))
+    spec_only.save_pretrained(tmp_path)
+    assert picklehooks.save_hooks(spec_only, tmp_path)["hooks"] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        picklehooks.load_hooks(tiny_gpt2(), tmp_path, trust=False).remove()
+
+
 def test_trust_must_name_every_hook(saved):
     root, doc, _, _, _ = saved
     model = transformers.GPT2LMHeadModel.from_pretrained(root / "hf")
@@ -285,7 +312,8 @@ def test_a_spec_survives_json_and_chooses_the_same_modules():
                                     mode="both")
     spec = json.loads(json.dumps(handle.spec))
     assert {"type": "torch.nn.modules.normalization.LayerNorm"} in spec["modules"]
-    other = picklehooks.instrument(copy.deepcopy(tiny_gpt2()), spec=spec)
+    other_model = copy.deepcopy(tiny_gpt2())  # held: a handle holds its model weakly
+    other = picklehooks.instrument(other_model, spec=spec)
     assert sorted(other.modules) == sorted(handle.modules) and other.spec == handle.spec
     with pytest.raises(picklehooks.PicklehooksError, match="spec= and"):
         picklehooks.instrument(tiny_gpt2(), spec=spec, capture="output")

@@ -104,6 +104,37 @@ class TestContainers:
             assert result["means"][name] == pytest.approx(want[name].double().mean().item(), rel=1e-6, abs=1e-7)
 
 
+class TestLeafModel:
+    @pytest.mark.parametrize("make", [lambda: nn.Linear(4, 3), lambda: nn.LayerNorm(4)], ids=["Linear", "LayerNorm"])
+    def test_a_model_that_is_one_leaf_module_is_instrumented_at_its_root(self, make):
+        """With nothing below the root, the default choice is the root: its records are what plain hooks see."""
+        torch.manual_seed(0)
+        model, x = make(), torch.randn(2, 4, requires_grad=True)
+        plain, seen = copy.deepcopy(model), {}
+        clone = lambda t: t.detach().clone()  # noqa: E731
+        plain.register_forward_pre_hook(lambda m, args: seen.__setitem__(("input", "0"), clone(args[0])))
+        plain.register_forward_hook(lambda m, args, out: seen.__setitem__(("output", ""), clone(out)))
+        plain.register_full_backward_hook(lambda m, gin, gout: seen.update(
+            {("grad_input", "0"): clone(gin[0]), ("grad_output", ""): clone(gout[0])}))
+        plain(x.detach().clone().requires_grad_()).sum().backward()
+        for n, p in plain.named_parameters():
+            seen[("param", n)], seen[("param_grad", n)] = clone(p), clone(p.grad)
+        handle = picklehooks.instrument(model, capture="all")
+        assert list(handle.modules) == [""] and handle.spec["modules"] == "all"
+        with picklehooks.record() as log:
+            model(x).sum().backward()
+        got = {(r.kind, r.path): r.stats for r in log.records if r.module == ""}
+        assert sorted(got) == sorted(seen) and len(log.records) == len(seen)
+        for key, value in seen.items():
+            assert got[key]["shape"] == tuple(value.shape), key
+            assert got[key]["mean"] == pytest.approx(value.double().mean().item(), rel=1e-6, abs=1e-7), key
+            assert got[key]["norm"] == pytest.approx(value.double().norm().item(), rel=1e-6, abs=1e-7), key
+
+    def test_a_model_with_submodules_still_leaves_its_root_out(self):
+        model = nn.Sequential(nn.Linear(4, 4))
+        assert list(picklehooks.instrument(model).modules) == ["0"]
+
+
 class NumberedParameter(nn.Module):
     """A parameter whose name is no identifier, as ParameterList's are."""
 

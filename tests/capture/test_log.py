@@ -822,12 +822,14 @@ class TestSelection:
 
     def test_several_patterns(self):
         """Several patterns choose the union of their matches."""
-        handle = picklehooks.instrument(EncoderDecoder(), modules=["encoder", "decoder.1"])
+        model = EncoderDecoder()  # held: a handle holds its model weakly
+        handle = picklehooks.instrument(model, modules=["encoder", "decoder.1"])
         assert sorted(handle.modules) == ["decoder.1", "encoder"]
 
     def test_root_only_when_named(self):
         """The root is never chosen by default, and is chosen by the pattern ''."""
-        assert "" not in picklehooks.instrument(EncoderDecoder()).modules
+        model = EncoderDecoder()  # held: a handle holds its model weakly
+        assert "" not in picklehooks.instrument(model).modules
         model = EncoderDecoder()
         handle = picklehooks.instrument(model, modules=[""], capture="output")
         assert list(handle.modules) == [""]
@@ -843,7 +845,8 @@ class TestSelection:
 
     def test_type_and_glob(self):
         """Types and globs mix."""
-        handle = picklehooks.instrument(EncoderDecoder(), modules=[nn.Tanh, "encoder.1"])
+        model = EncoderDecoder()
+        handle = picklehooks.instrument(model, modules=[nn.Tanh, "encoder.1"])
         assert sorted(handle.modules) == ["decoder.1", "encoder.1"]
 
     def test_depth(self):
@@ -857,7 +860,8 @@ class TestSelection:
 
     def test_depth_with_pattern(self):
         """depth limits what a pattern chooses."""
-        handle = picklehooks.instrument(EncoderDecoder(), modules=nn.Linear, depth=2)
+        model = EncoderDecoder()
+        handle = picklehooks.instrument(model, modules=nn.Linear, depth=2)
         assert sorted(handle.modules) == ["decoder.0", "encoder.0"]
 
 

@@ -149,13 +149,38 @@ def test_summaries_reach_the_loggers_at_the_steps_of_selflog(runs):
             assert math.isclose(value, want, rel_tol=1e-5)
 
 
-def test_every_n_steps(tmp_path):
-    callback = PicklehooksCallback(modules=list(LAYERS), every_n_steps=2)
-    fit(Net(), tmp_path, [callback], steps=5, logger=False)
-    assert sorted({r.step for r in callback.recorded}) == [0, 2, 4]
+class LoggedSteps(L.pytorch.loggers.Logger):
+    """A logger that keeps the steps Lightning logged the training loss at."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    name, version = "steps", 0
+
+    def log_metrics(self, metrics, step=None):
+        if "loss" in metrics:
+            self.steps.append(step)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
 
 
-@pytest.mark.parametrize("every_n_steps", [1, 2], ids=["recorded-step", "idle-step"])
+@pytest.mark.parametrize("every_n_steps", [2, 3])
+def test_the_recorded_steps_are_the_steps_lightning_logs(tmp_path, every_n_steps):
+    """every_n_steps == log_every_n_steps: picklehooks records exactly the steps whose loss Lightning logs."""
+    callback, logger = PicklehooksCallback(modules=list(LAYERS), capture=("output",), every_n_steps=every_n_steps), \
+        LoggedSteps()
+    trainer = L.Trainer(max_steps=7, accumulate_grad_batches=ACCUM, callbacks=[callback], logger=logger,
+                        log_every_n_steps=every_n_steps, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1, enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Net(), loader())
+    assert len(logger.steps) >= 2 and sorted({r.step for r in callback.recorded}) == sorted(logger.steps)
+
+
+@pytest.mark.parametrize("every_n_steps", [1, 3], ids=["recorded-step", "idle-step"])  # step 1: (1 + 1) % 3 != 0
 def test_an_exception_leaves_nothing_recording_and_the_guard_hit_is_logged(tmp_path, every_n_steps):
     module = Net(poison_at=1)
     callback = PicklehooksCallback(modules=list(LAYERS), on_nonfinite="raise", every_n_steps=every_n_steps)

@@ -14,7 +14,7 @@ def test_a_failing_cleanup_never_hides_the_training_error(monkeypatch):
     core = StepRecorder(modules=["0"])
     model = nn.Sequential(nn.Linear(2, 2))
     core.start(model)
-    core.begin_step(0, 0)
+    core.begin_step(0, True)
     core.activate()
     model(torch.randn(1, 2))
 
@@ -32,7 +32,7 @@ def test_summaries_pool_a_steps_calls_per_layer_and_kind():
     core = StepRecorder(modules=["0"], capture=("output",))
     model = nn.Sequential(nn.Linear(3, 3))
     core.start(model)
-    core.begin_step(0, 5)
+    core.begin_step(5, True)
     xs = [torch.randn(2, 3), torch.randn(4, 3)]
     core.activate()
     for x in xs:

@@ -186,12 +186,26 @@ def test_summaries_reach_the_trainers_tensorboard_at_each_step(runs):
     assert not any("nonfinite" in t for t in tags)
 
 
+def logged_loss_steps(trainer) -> list[int]:
+    """The steps the Trainer itself logged a training loss at (its log history)."""
+    return sorted(e["step"] for e in trainer.state.log_history if "loss" in e)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["interval", "logging_first_step"])
+def test_the_recorded_steps_are_the_steps_the_trainer_logs(tmp_path, first):
+    """every_n_steps == logging_steps: picklehooks records exactly the steps whose loss the Trainer logs."""
+    callback = PicklehooksCallback(modules=list(LAYERS), capture=("output",), every_n_steps=3)
+    trainer = train(tiny_gpt2(), tmp_path, [callback], max_steps=7, logging_steps=3, logging_first_step=first)
+    logged = logged_loss_steps(trainer)
+    assert len(logged) >= 2 and sorted({r.step for r in callback.recorded}) == logged
+
+
 def test_every_n_steps_records_one_step_in_n_and_sinks_to_parquet(tmp_path):
     pytest.importorskip("pyarrow")
     callback = PicklehooksCallback(modules=list(LAYERS), every_n_steps=2, sink=tmp_path / "sink")
-    train(tiny_gpt2(), tmp_path / "out", [callback], max_steps=5)
+    trainer = train(tiny_gpt2(), tmp_path / "out", [callback], max_steps=5, logging_steps=2)
     frame = picklehooks.Log.load(tmp_path / "sink").to_pandas()
-    assert sorted(set(frame["step"])) == [1, 3, 5]
+    assert sorted(set(frame["step"])) == logged_loss_steps(trainer) and len(set(frame["step"])) == 5 // 2
     assert sorted(set(frame["kind"])) == ["grad_output", "output"]
 
 
@@ -228,7 +242,7 @@ class PoisonAt(transformers.TrainerCallback):
                 self.model.get_submodule("transformer.h.1.mlp.c_fc").weight.fill_(float("nan"))
 
 
-@pytest.mark.parametrize("every_n_steps", [1, 2], ids=["recorded-step", "idle-step"])
+@pytest.mark.parametrize("every_n_steps", [1, 3], ids=["recorded-step", "idle-step"])  # step 2: 2 % 3 != 0
 def test_a_guard_stop_leaves_nothing_recording_and_is_in_the_log(tmp_path, every_n_steps):
     model = tiny_gpt2()
     callback = PicklehooksCallback(modules=list(LAYERS), on_nonfinite="raise", every_n_steps=every_n_steps)
