@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, _state, _taps, _views
+from . import _ops, _state, _swaps, _taps, _views
+from ._swaps import SWAPPED as _SWAPPED
 from ._views import VIEWS as _VIEWS
 from ._shim import PicklehooksError
 from ._taps import (  # noqa: F401 - re-exported: tests, bench and earlier versions' archives read them here
@@ -115,7 +116,11 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                 _watch(values, where, ",".join(names), state_flags)
     if not flags:
         return None  # the module gets its own arguments
-    return tuple(_tap_inputs(name, _positional(inputs), flags, []))
+    swaps = [] if flags & _GRAD and not tracing else None
+    out = tuple(_tap_inputs(name, _positional(inputs), flags, [], swaps))
+    if swaps:
+        _swaps.push(module, swaps)
+    return out
 
 
 def _by_owner(module, name: str, names: tuple) -> tuple:
@@ -142,7 +147,7 @@ def _positional(args: tuple) -> list:
     return [(str(i), v) for i, v in enumerate(args)]
 
 
-def _tap_inputs(name: str, items: list, flags: int, tapped: list) -> list:
+def _tap_inputs(name: str, items: list, flags: int, tapped: list, swaps: list | None = None) -> list:
     """Tap each ``(path, value)`` input; the same tensor given twice stays one tensor.
 
     ``attn(x, x, x)`` must still see ``query is key is value`` (MultiheadAttention
@@ -153,12 +158,12 @@ def _tap_inputs(name: str, items: list, flags: int, tapped: list) -> list:
 
     Tensors are matched by ``is``, never by ``id()``: torch.compile would turn
     an ``id()`` into a guard on that very tensor object, and recompile for
-    every new batch.
+    every new batch. ``swaps``: see :mod:`picklehooks._swaps`.
     """
     out = []
     for path, value in items:
         if not isinstance(value, _TENSORLIKE):
-            out.append(tap_tree(value, name, "input", path, flags))
+            out.append(tap_tree(value, name, "input", path, flags, swaps=swaps))
             continue
         first = next((t for v, t in tapped if v is value), None)
         if first is None:
@@ -182,8 +187,11 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     if not flags:
         return None
     name, tapped = _name_of(module), []
-    positional = _tap_inputs(name, _positional(args), flags, tapped)
-    keywords = _tap_inputs(name, list(kwargs.items()), flags, tapped)
+    swaps = [] if flags & _GRAD and not _tracing() else None
+    positional = _tap_inputs(name, _positional(args), flags, tapped, swaps)
+    keywords = _tap_inputs(name, list(kwargs.items()), flags, tapped, swaps)
+    if swaps:
+        _swaps.push(module, swaps)
     return tuple(positional), dict(zip(kwargs, keywords))
 
 
@@ -216,6 +224,8 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     if _dynamo_compiling() or _compiler._is_compiling_flag or _fx._is_fx_tracing_flag or _is_jit_tracing():
         # _tracing() (see _dynamo_compiling); first, as in skip()
         return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
+    if _SWAPPED:  # the caller's tensors, which the pre-hook replaced by views in its containers
+        _swaps.restore(module)
     if _VIEWS:  # hooked views, which this module or its caller may have changed in place since
         _views.rescue()
     if flags & _INPUT_GRAD:  # (generated hooks pass it where grad_input is captured; views cover it now)

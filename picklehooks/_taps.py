@@ -355,16 +355,18 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
 
 
 def tap_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None = None,
-             direct: bool = False):
+             direct: bool = False, swaps: list | None = None):
     """Return ``value`` with every tensor in it tapped (the same object, unless gradients are wanted).
 
     ``inputs``: for an output, the module's positional inputs (see :func:`_eager_tap`).
+    ``swaps``: for an input, where the eager path notes the tensors it put into the caller's
+    containers for this call (see :mod:`picklehooks._swaps`).
     In eager mode see :func:`_eager_tree`; in a graph being traced, a container
     whose tensors the ``tap`` op replaces is rebuilt as its own type (the graph
     holds copies anyway), and one whose tensors all stay is passed on itself.
     """
     if not _tracing():
-        return _eager_tree(value, name, kind, path, flags, inputs, direct, False)
+        return _eager_tree(value, name, kind, path, flags, inputs, direct, False, swaps)
     if isinstance(value, _TENSORLIKE):
         return _traced_tap(value, name, kind, path, flags)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
@@ -398,16 +400,21 @@ def _rebuild_mapping(value: dict, pairs):
     return type(value)(pairs)
 
 
-def _eager_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None, direct: bool, keep: bool):
+def _eager_tree(value, name: str, kind: str, path: str, flags: int, inputs: tuple | None, direct: bool, keep: bool,
+                swaps: list | None = None):
     """:func:`tap_tree` in eager mode: the model and its caller get the very containers they would have.
 
     * A tuple (or namedtuple) whose tensors get autograd nodes of their own is
       rebuilt, as ``register_full_backward_hook`` rebuilds an output tuple.
     * An input's other containers (list, dict, dataclass, ``Counter``...) are
-      handed on untouched: the module may fill them (``cache.append(x)``) and
-      the caller keeps its own tensors in them. Their tensors are recorded
-      and hooked in place (``keep``), so their gradient is the one flowing
-      through all their uses.
+      handed on as they are: the module may fill them (``cache.append(x)``).
+      Where gradients are captured (``swaps``, see :mod:`picklehooks._swaps`),
+      each of their tensors is the module's as a hooked view for the call,
+      put in its place and put back after it, so that its gradient is the
+      one flowing through this module's uses, as in a graph (DenseNet's
+      layers each take the list of earlier features). Otherwise, and in a
+      frozen dataclass or a tuple subclass, tensors are hooked in place
+      (``keep``): through all their uses.
     * An output's list or dict (an HF ``ModelOutput``, a ``defaultdict``)
       stays the same object: a tensor that gets a node of its own is put in
       its place, so its gradient is the caller's, as for a tensor output. A
@@ -417,23 +424,27 @@ def _eager_tree(value, name: str, kind: str, path: str, flags: int, inputs: tupl
         return _eager_tap(value, name, kind, path, flags, inputs, direct, keep)
     if isinstance(value, tuple) and not keep and (type(value) is tuple or hasattr(value, "_fields")):
         fields = value._fields if hasattr(value, "_fields") else range(len(value))
-        items = [_eager_tree(v, name, kind, _join(path, f), flags, inputs, direct, False)
+        items = [_eager_tree(v, name, kind, _join(path, f), flags, inputs, direct, False, swaps)
                  for f, v in zip(fields, value)]
         if _same(value, items):
             return value
         return type(value)._make(items) if hasattr(value, "_fields") else tuple(items)
-    keep = keep or kind == "input"
+    keep = keep or (kind == "input" and swaps is None)
     if isinstance(value, dict):
         for k, v in list(value.items()):
-            tapped = _eager_tree(v, name, kind, _join(path, k), flags, inputs, direct, keep)
+            tapped = _eager_tree(v, name, kind, _join(path, k), flags, inputs, direct, keep, swaps)
             if tapped is not v:
                 value[k] = tapped
+                if swaps is not None:
+                    swaps.append((value, k, v, tapped))
         return value
     if isinstance(value, list):
         for i, v in enumerate(value):
-            tapped = _eager_tree(v, name, kind, _join(path, i), flags, inputs, direct, keep)
+            tapped = _eager_tree(v, name, kind, _join(path, i), flags, inputs, direct, keep, swaps)
             if tapped is not v:
                 value[i] = tapped
+                if swaps is not None:
+                    swaps.append((value, i, v, tapped))
         return value
     if isinstance(value, tuple):  # a tuple subclass that is no namedtuple, or inside a kept container
         for i, v in enumerate(value):
@@ -444,9 +455,11 @@ def _eager_tree(value, name: str, kind: str, path: str, flags: int, inputs: tupl
         for f in dataclasses.fields(value):
             if f.init:
                 v = getattr(value, f.name)
-                tapped = _eager_tree(v, name, kind, _join(path, f.name), flags, inputs, direct, keep or frozen)
+                tapped = _eager_tree(v, name, kind, _join(path, f.name), flags, inputs, direct, keep or frozen, swaps)
                 if tapped is not v:
                     setattr(value, f.name, tapped)
+                    if swaps is not None:
+                        swaps.append((value, f.name, v, tapped))
         return value
     if flags & _ops.VALUE:
         log = _state.active()
