@@ -35,6 +35,8 @@ recomputation and records no values.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _ops, _state, _swaps, _taps, _views
@@ -74,13 +76,14 @@ def _name_of(module) -> str:
         ) from None
 
 
-def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buffers: tuple):
+def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buffers: tuple, below: tuple = ()):
     """Pre-hook body: tap positional inputs; record params/buffers; watch parameters' gradients.
 
     A dotted name (``"ws.0"``) is a parameter of a child that has no call of its own (a
     ``ParameterList`` or ``ParameterDict`` this module reads): it is read here, at this module's
     call, and recorded and watched under the child's qualified name (``"ws"``, path ``"0"``),
-    as ``instrument()`` names its ``param_grad``.
+    as ``instrument()`` names its ``param_grad``. ``below``: descendants' parameters whose
+    ``param_grad`` is watched too, never recorded as ``param`` (see :func:`_watch_below`).
     """
     if skip(flags):
         return None
@@ -114,6 +117,8 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                         _watch_one(v, where, n, state_flags)
             else:  # the graph must call the op that attaches the hooks (also after saving and loading)
                 _watch(values, where, ",".join(names), state_flags)
+    if below and state_flags & _ops.PARAM_GRAD:
+        _watch_below(module, name, below, state_flags, tracing)
     if not flags:
         return None  # the module gets its own arguments
     swaps = [] if flags & _GRAD and not tracing else None
@@ -121,6 +126,51 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
     if swaps:
         _swaps.push(module, swaps)
     return out
+
+
+# id(module) -> (a weak reference to it, the ``below`` it watched in this process: the hook text's
+# own tuple, so a hook generated anew, with other names, watches again). By id, not a weak-keyed
+# dictionary: a look-up is then about 0.1 µs (torch's WeakIdKeyDictionary builds a key object per
+# look-up, several µs), and a module that defines __eq__ or no __hash__ is no problem. An entry
+# goes when its module is freed (before the id can be reused).
+_WATCHED_BELOW: dict = {}
+
+
+def _watch_below(module, name: str, below: tuple, state_flags: int, tracing: bool) -> None:
+    """Watch ``param_grad`` of the descendants' parameters ``below`` (``"rel_pos.table"``: ``table``
+    of child ``rel_pos``, recorded under ``"<name>.rel_pos"``), whose own module may never run
+    (MaxViT calls its relative-position modules' ``get_bias()``, not their forward).
+
+    ``instrument()`` watched them itself; this is for a model loaded elsewhere, where only hooks
+    that run attach anything. A watch is kept per (parameter, module, name), so a descendant
+    that runs and watches them too still records once. Eager: once per module and process (the
+    hooks stay on the parameters), so after its first call an ancestor pays one dictionary
+    look-up per call, not a watch; a parameter replaced afterwards, or one that requires grad
+    only later, is watched once its own module runs. A graph keeps no state between calls, so
+    its ops watch at every call; ``instrument()`` lists here only parameters whose module the
+    example forward didn't show running (all of them without ``example_inputs``): see
+    ``picklehooks.capture.watchers.below``.
+    """
+    if not tracing:
+        key = id(module)
+        seen = _WATCHED_BELOW.get(key)
+        if seen is not None and seen[1] is below and seen[0]() is module:
+            return
+        _WATCHED_BELOW[key] = (weakref.ref(module, lambda _, key=key: _WATCHED_BELOW.pop(key, None)), below)
+        try:
+            groups = _by_owner(module, name, below)
+        except AttributeError:  # surgery moved a descendant (tree.check warns, naming refresh()): not ours to fail
+            return
+        for where, names, values in groups:  # (a swapped module's weight may be no tensor: a method)
+            _ops.watch_grads(where, names, [v if isinstance(v, torch.Tensor) else None for v in values], state_flags)
+        return
+    for where, names, values in _by_owner(module, name, below):
+        if torch.jit.is_tracing():  # one op per parameter, as in pre()
+            for n, v in zip(names, values):
+                if v is not None:
+                    _watch_one(v, where, n, state_flags)
+        else:
+            _watch(values, where, ",".join(names), state_flags)
 
 
 def _by_owner(module, name: str, names: tuple) -> tuple:
@@ -175,7 +225,8 @@ def _tap_inputs(name: str, items: list, flags: int, tapped: list, swaps: list | 
     return out
 
 
-def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, params: tuple, buffers: tuple):
+def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, params: tuple, buffers: tuple,
+           below: tuple = ()):
     """Body of a ``with_kwargs`` pre-hook: :func:`pre`, and keyword inputs recorded under their names.
 
     A keyword input's record path is the keyword (``"attention_mask"``), or the
@@ -183,7 +234,7 @@ def pre_kw(module, args: tuple, kwargs: dict, flags: int, state_flags: int, para
     """
     if skip(flags):
         return None
-    pre(module, args, 0, state_flags, params, buffers)
+    pre(module, args, 0, state_flags, params, buffers, below)
     if not flags:
         return None
     name, tapped = _name_of(module), []

@@ -211,9 +211,21 @@ _HEADER = (
 )
 
 
-def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, params: tuple, buffers: tuple) -> str:
-    """Text of a forward pre-hook: tap inputs, record params/buffers."""
-    generic = f"_rt.pre(module, inputs, {flags}, {state_flags}, {params!r}, {buffers!r})"
+def _below_arg(below: tuple) -> str:
+    """The trailing ``below`` argument of ``pre``/``pre_kw``: written only where there is one, so
+    that every other hook's text (and so its name, shared by modules alike) stays as it was."""
+    return f", {below!r}" if below else ""
+
+
+def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, params: tuple, buffers: tuple,
+                  below: tuple = ()) -> str:
+    """Text of a forward pre-hook: tap inputs, record params/buffers.
+
+    ``below``: dotted names of descendants' parameters whose ``param_grad`` it watches too (see
+    :func:`picklehooks.capture.watchers.below`); the typed body watches them at every
+    call, as it does the module's own.
+    """
+    generic = f"_rt.pre(module, inputs, {flags}, {state_flags}, {params!r}, {buffers!r}{_below_arg(below)})"
     if inputs is None:
         return _untyped("picklehooks_pre", "module, inputs", generic)
     sig = f"module: torch.nn.Module, inputs: {annotation(('U', inputs))}"
@@ -227,7 +239,7 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
             leaves = ",".join(n.rpartition(".")[2] for n in names)
             em.lines.append(f"    torch.ops.picklehooks.record_state({refs}, {owner}, {kind!r}, {leaves!r}, "
                             f"{state_flags})")
-    for owner, names in _by_owner(params) if state_flags & PARAM_GRAD else ():
+    for owner, names in _by_owner(params) + _by_owner(below) if state_flags & PARAM_GRAD else ():
         # The op's kernel attaches gradient hooks to the parameters themselves.
         refs = ", ".join(_attribute(n) for n in names)
         leaves = ",".join(n.rpartition(".")[2] for n in names)
@@ -240,14 +252,15 @@ def pre_hook_text(inputs: list[Shape] | None, flags: int, state_flags: int, para
                   idle_ret="inputs")
 
 
-def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: tuple) -> str:
+def keyword_pre_hook_text(flags: int, state_flags: int, params: tuple, buffers: tuple, below: tuple = ()) -> str:
     """Text of a ``with_kwargs=True`` forward pre-hook: positional and keyword inputs, params/buffers.
 
     Every form but TorchScript calls it (TorchScript compiles pre-hooks as
     ``(module, input)`` only, so ``instrument(scriptable=True)`` uses
-    :func:`pre_hook_text` instead).
+    :func:`pre_hook_text` instead). ``below``: as for :func:`pre_hook_text`.
     """
-    generic = f"_rt.pre_kw(module, args, kwargs, {flags}, {state_flags}, {params!r}, {buffers!r})"
+    generic = (f"_rt.pre_kw(module, args, kwargs, {flags}, {state_flags}, {params!r}, {buffers!r}"
+               f"{_below_arg(below)})")
     return _untyped("picklehooks_pre_kw", "module, args, kwargs", generic)
 
 

@@ -31,9 +31,16 @@ Limits:
   is chosen too (``modules=["", "*"]``; not under FX).
 * ``param_grad`` hooks are attached by ``instrument()`` itself, for every
   owner of a parameter (tied weights are recorded under each chosen module
-  that holds them), and, in a model loaded elsewhere, by the first forward of
-  each module (through the ``watch`` op in graphs); a parameter of a module
-  that never runs in the loaded model is then not watched.
+  that holds them), and, in a model loaded elsewhere, by the pre-hook of each
+  module (through the ``watch`` op in graphs). A module that may never run
+  (MaxViT's relative-position modules, read through ``get_bias()``;
+  ``MultiheadAttention.out_proj``; one left without hooks) has its
+  parameters watched by its nearest hooked ancestor's pre-hook as well:
+  once per process in eager mode, at every call in a graph; with
+  ``example_inputs``, only for modules the example forward didn't run.
+  A loaded model still misses a parameter whose module and nearest hooked
+  ancestor both never run, or whose module has no hooked ancestor (a
+  never-run child of an unchosen root).
 * ``profile=True`` ranges ride on a tensor argument and a tensor output
   where the hooks are scripted or traced; modules without one are timed in
   eager mode only.
@@ -55,7 +62,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _ops
 from ..serialize import codec
-from . import generate as _generate, hookdict as _hookdict, tree as _tree
+from . import generate as _generate, hookdict as _hookdict, tree as _tree, watchers as _watchers
 from .spec import CAPTURE_KINDS, check_capture as _check_capture, from_spec, select as _select, to_spec
 from .._shim import HUB_NAME, PicklehooksError, hub
 
@@ -313,6 +320,23 @@ def _overloaded_forward(module: nn.Module) -> bool:
         return False
 
 
+def _why_no_hooks(module: nn.Module, name: str, scriptable: bool, observed: dict) -> str | None:
+    """Why a chosen module gets no hooks, or None where it gets them."""
+    if type(module).forward is nn.Module.forward:
+        return (f"{type(module).__name__} has no forward of its own (a container); it is never called, "
+                "so its hooks would never run and TorchScript can't compile them; its children are "
+                "instrumented")
+    if scriptable and _overloaded_forward(module):
+        return (f"{type(module).__name__}.forward is overloaded for TorchScript, which "
+                "can't compile hooks on such a module; it is skipped with scriptable=True")
+    if scriptable and name in observed:
+        n_params = len(_positional_hints(module))
+        if len(observed[name][0]) != n_params:
+            return (f"called with {len(observed[name][0])} of {n_params} forward "
+                    "arguments positionally, which TorchScript hooks can't type")
+    return None
+
+
 def _hook(text: str):
     """The hub's function for this hook text (the text is its name)."""
     return getattr(hub(), codec.encode(text))
@@ -400,6 +424,9 @@ def instrument(
                                             kinds_order=CAPTURE_KINDS),
                              (example_inputs, example_kwargs))
     handle._state_flags = state_flags
+    unhooked = {name: reason for name, module in chosen.items()
+                if (reason := _why_no_hooks(module, name, scriptable, observed)) is not None}
+    below_of = _watchers.below(chosen, set(chosen) - set(unhooked), observed) if "param_grad" in kinds else {}
     try:
         for name, module in chosen.items():
             if "param_grad" in kinds:
@@ -411,10 +438,8 @@ def instrument(
                 own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
                 _ops.watch_grads(name, [n for n, _ in own], [p for _, p in own], state_flags, claim=True)
                 handle._watching[name] = module
-            if type(module).forward is nn.Module.forward:
-                reason = (f"{type(module).__name__} has no forward of its own (a container); it is never called, "
-                          "so its hooks would never run and TorchScript can't compile them; its children are "
-                          "instrumented")
+            reason = unhooked.get(name)
+            if reason is not None and type(module).forward is nn.Module.forward:
                 own = [n for n, p in module.named_parameters(recurse=False) if p is not None]
                 owner = name.rpartition(".")[0]
                 if own and "param" in kinds and (not name or owner not in handle.modules):
@@ -424,30 +449,13 @@ def instrument(
                                f"are recorded at its owner's call, and its owner {owner!r} has no hooks: "
                                f"choose it too (modules=[..., {owner!r}]) to get their 'param' records"
                                if name else "; its own parameters get no 'param' records")
+            if reason is not None:
                 handle.skipped[name] = reason
                 continue
-            if scriptable and _overloaded_forward(module):
-                handle.skipped[name] = (f"{type(module).__name__}.forward is overloaded for TorchScript, which "
-                                        "can't compile hooks on such a module; it is skipped with scriptable=True")
-                continue
-            if scriptable and name in observed:
-                n_params = len(_positional_hints(module))
-                if len(observed[name][0]) != n_params:
-                    handle.skipped[name] = (f"called with {len(observed[name][0])} of {n_params} forward "
-                                            "arguments positionally, which TorchScript hooks can't type")
-                    continue
-            params = tuple(n for n, p in module.named_parameters(recurse=False)
-                           if p is not None) if {"param", "param_grad"} & kinds else ()
-            if {"param", "param_grad"} & kinds:
-                # A chosen child that is never called (ParameterList, ParameterDict): this module reads
-                # its parameters, so its pre-hook records and watches them ("ws.0": parameter "0" of
-                # child "ws", recorded under the child's name, as its param_grad is above).
-                params += tuple(f"{attr}.{n}" for attr, child in module.named_children()
-                                if type(child).forward is nn.Module.forward
-                                and (f"{name}.{attr}" if name else attr) in chosen
-                                for n, p in child.named_parameters(recurse=False) if p is not None)
+            params = _watchers.read_at_call(module, name, chosen) if {"param", "param_grad"} & kinds else ()
             buffers = tuple(n for n, b in module.named_buffers(recurse=False)
                             if b is not None) if "buffer" in kinds else ()
+            below = below_of.get(name, ())
             in_shapes, out_shape = _shapes(module, observed.get(name))
             if scriptable and out_shape is None and name not in observed:
                 raise PicklehooksError(
@@ -460,11 +468,11 @@ def instrument(
             if not scriptable and _PREPARE_ATTR not in module.__dict__ and _overloaded_forward(module):
                 module.__dict__[_PREPARE_ATTR] = _hook(_generate.unscriptable_text(name, type(module).__name__))
             _hookdict.prepare(module)
-            if (in_flags or params or buffers) and scriptable:
-                text = _generate.pre_hook_text(in_shapes, in_flags, state_flags, params, buffers)
+            if (in_flags or params or buffers or below) and scriptable:
+                text = _generate.pre_hook_text(in_shapes, in_flags, state_flags, params, buffers, below)
                 handle._add(module, "_forward_pre_hooks", module.register_forward_pre_hook(_hook(text)), idle=True)
-            elif in_flags or params or buffers:
-                text = _generate.keyword_pre_hook_text(in_flags, state_flags, params, buffers)
+            elif in_flags or params or buffers or below:
+                text = _generate.keyword_pre_hook_text(in_flags, state_flags, params, buffers, below)
                 handle._add(module, "_forward_pre_hooks",
                             module.register_forward_pre_hook(_hook(text), with_kwargs=True), idle=True)
             # With grad_input, the eager forward hook also finds inputs changed in place (its view's hook is lost).

@@ -161,3 +161,37 @@ class ChangedAfter(nn.Module):
         h.mul_(3)
         k = self.same(h)
         return self.b(k) + h.sum()
+
+
+class RelPosBias(nn.Module):
+    """MaxViT's relative-position bias: it has a forward, but its owner reads it through another method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 4))
+
+    def get_bias(self) -> Tensor:
+        return self.table.sum(0)
+
+    def forward(self, x: Tensor) -> Tensor:  # never called
+        return x + self.get_bias()
+
+
+class UsesBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.rel_pos = nn.Linear(4, 4), RelPosBias()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.qkv(x) + self.rel_pos.get_bias()
+
+
+class UnrunOwner(nn.Module):
+    """A parameter whose module never runs (``attn.rel_pos``), beside one whose module does (``attn.qkv``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = UsesBias(), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.attn(x)))
