@@ -53,9 +53,12 @@ Limits: Inductor in torch 2.13 loses the ordering edges between effectful
 ops (pytorch/pytorch#189209), so a compiled graph may run record ops out of
 program order. The ops are registered when picklehooks is imported; a
 process that loads a scripted or exported instrumented model must import
-picklehooks first. Gradient capture costs one copy per tapped tensor in graphs, and that
-copy can move Inductor's fusion boundaries (gradients then differ in the last
-bits); eager hooks skip the ops entirely while nothing records. Only ``active`` has a C kernel:
+picklehooks first. Gradient capture costs one copy per tapped tensor in graphs. Under
+``torch.compile`` a tap whose call the ``record`` op counted is a clone Inductor fuses
+(:class:`_GradOnlyTap`); the ``tap`` op's copy elsewhere keeps the strides it was traced
+with, so Inductor may copy a channels-last value back to contiguous for it and sum the next
+reduction in another order (gradients then differ in the last bits); eager hooks skip the
+ops entirely while nothing records. Only ``active`` has a C kernel:
 the others need Python while a log records (the log is a Python object), and a kernel
 registered through libtorch's stable C shim can neither raise (``GUARD``'s
 :class:`NonfiniteError`) nor pass on an exception from the Python kernel it would call, so
@@ -311,6 +314,33 @@ class _TapFunction(torch.autograd.Function):
 
 
 _tap_function = super(torch.autograd.Function, _TapFunction).apply  # the C apply: no signature binding
+
+
+class _GradOnlyTap(torch.autograd.Function):
+    """A tap that only carries a gradient, in a graph ``torch.compile`` traces: ``x.clone()``, whose
+    backward hands the gradient to the ``tap_grad`` op, as the ``tap`` op's autograd formula does.
+
+    The ``tap`` op is opaque to Inductor: its output keeps the strides it was traced with. After
+    a convolution that Inductor's layout optimization made channels-last, that meant a copy back
+    to contiguous, which the next reduction (BatchNorm's statistics) then read in another order,
+    so the forward's values and every ``.grad`` changed in the last bits (issue 40, item 5:
+    LeViT's stem). A clone is laid out and fused like any other op: the compiled forward and
+    backward compute what the plain compiled model's do, bit for bit
+    (``tests/capture/test_compiled_numerics.py``). Only where the ``record`` op counted the call
+    (``COUNTED``) and no guard checks the value: a tap whose forward has work to do stays the
+    ``tap`` op, and exported programs keep it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, name: str, kind: str, path: str, flags: int):
+        ctx.where = (name, "grad_" + kind, path, flags)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            grad = torch.ops.picklehooks.tap_grad.default(grad, *ctx.where)
+        return grad, None, None, None, None
 
 
 def _tap_below_autograd(x: torch.Tensor, module: str, kind: str, path: str, flags: int) -> torch.Tensor:

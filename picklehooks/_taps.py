@@ -47,6 +47,10 @@ _range_exit = torch.ops.picklehooks.range_exit
 
 # None under an older picklehooks on the host of a torch.package archive made by this version.
 _graph_site = getattr(_ops, "graph_site", None)
+_grad_only_tap = getattr(getattr(_ops, "_GradOnlyTap", None), "apply", None)
+# Whether torch tells export from compile (see _is_exporting): only then may a compiled graph's tap
+# be something an exported program would not keep.
+_EXPORT_KNOWN = hasattr(torch.compiler, "_is_exporting_flag")
 _is_compiling = torch.compiler.is_compiling  # the same function object, which dynamo answers with True
 
 
@@ -350,6 +354,11 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
             # under another grad mode than it was traced in: it keeps its taps.
             flags &= ~_ops.GRAD
     if flags & (_ops.GRAD | _ops.GUARD):
+        if flags & _ops.COUNTED and not flags & _ops.GUARD and _grad_only_tap is not None and _EXPORT_KNOWN \
+                and _is_compiling() and not _is_exporting() \
+                and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter):
+            # Only carries a gradient, in a graph torch.compile traces: a clone Inductor fuses (see _ops).
+            return _grad_only_tap(x, name, kind, path, flags)
         return _tap(x, name, kind, path, flags)
     return x
 

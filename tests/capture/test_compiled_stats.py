@@ -72,11 +72,14 @@ class NonFinite(nn.Module):
 
 
 def ops_in_graph(model: nn.Module, x: torch.Tensor) -> list[str]:
-    """The picklehooks ops in the graph dynamo hands its backend."""
+    """The picklehooks ops in the graph dynamo hands its backend, and in its subgraphs: the forward
+    and backward of an autograd Function (a compiled gradient tap whose call the record op counted,
+    ``_ops._GradOnlyTap``, calls ``tap_grad`` from its backward)."""
     seen: list[str] = []
 
     def backend(gm, example_inputs):
-        seen.extend(str(n.target).removesuffix(".default") for n in gm.graph.nodes
+        seen.extend(str(n.target).removesuffix(".default") for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                    for n in m.graph.nodes
                     if n.op == "call_function" and str(n.target).startswith("picklehooks."))
         return gm
 
@@ -256,8 +259,10 @@ def test_a_no_grad_graph_has_no_gradient_taps_and_grad_calls_still_get_them():
     picklehooks.instrument(model)  # output + grad_output
     x = torch.randn(3, 4)
     with torch.no_grad():
-        assert "picklehooks.tap" not in ops_in_graph(model, x)
-    assert ops_in_graph(model, x).count("picklehooks.tap") == 3
+        ops = ops_in_graph(model, x)
+        assert "picklehooks.tap" not in ops and "picklehooks.tap_grad" not in ops, ops
+    ops = ops_in_graph(model, x)
+    assert ops.count("picklehooks.tap") + ops.count("picklehooks.tap_grad") == 3, ops
     with torch.no_grad():
         exported = torch.export.export(model, (x,))
     assert sum("picklehooks.tap" in str(n.target) for n in exported.graph.nodes) == 3

@@ -1,15 +1,16 @@
 """Real models, every form: the same records as plain hooks, and the model computes what it did.
 
 Tiny Hugging Face GPT-2, BERT, Llama, T5 (encoder-decoder, keyword-only
-calls) and ViT, built from configs, and a torchvision-style ResNet with in-place
-activations, each run through one training step in
+calls), ViT and ResNet (basic blocks in train mode, whose layers change an
+``Identity``'s output in place), built from configs, and a torchvision-style
+ResNet with in-place activations, each run through one training step in
 eager mode, after ``torch.save`` + load in a fresh process, after
 ``torch.package`` in a fresh process, ``torch.compile(fullgraph=True)`` (no
 graph break, no recompile), ``torch.export`` and ``torch.jit.trace``.
 
 Ground truth comes from plain PyTorch on an un-instrumented copy: forward
 pre-hooks with ``with_kwargs=True`` and forward hooks that clone what each
-module receives and returns, tensor hooks on each output for its gradient,
+module receives and returns, tensor hooks on a clone of each output for its gradient,
 and ``.grad`` of each parameter (on the ResNet without in-place activations,
 the same maths: a plain view's hook is lost when the next module changes
 the view in place). The instrumented model's loss and
@@ -104,14 +105,15 @@ def _plain_hooks(model: torch.nn.Module, call) -> dict:
 
         def post(m, args, output, mname=mname):
             # A gradient is the one flowing back through the caller's use of the output, as
-            # register_full_backward_hook sees it: the hook sits on an identity view the caller
-            # gets instead (a tensor's own hook would also see uses inside the module).
+            # register_full_backward_hook sees it: the hook sits on a clone the caller gets
+            # instead (a tensor's own hook would also see uses inside the module; a view's hook
+            # is lost when the caller changes the view in place, as HF ResNet's layers do).
             def watch(path, v):
                 call = calls[(mname, "output", path)]
                 put((mname, "output", path), v)
                 if not v.requires_grad:
                     return v
-                v = v.view_as(v)
+                v = v.clone()
                 key = (mname, "grad_output", path, call)
                 v.register_hook(lambda g, key=key: seen.__setitem__(key, g.clone()))
                 return v
@@ -146,7 +148,14 @@ def _in_form(model, form: str, kwargs: dict):
     if form == "export":
         return torch.export.export(model, (), kwargs).module()
     if form == "trace":
-        return torch.jit.trace(model, example_kwarg_inputs=kwargs, strict=False, check_trace=False)
+        # Tracing runs the forward once: a model in train mode (BatchNorm) would step its running
+        # statistics, which the traced run then starts from; start it where tracing did.
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        traced = torch.jit.trace(model, example_kwarg_inputs=kwargs, strict=False, check_trace=False)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        return traced
     return model
 
 

@@ -42,6 +42,13 @@ def build(name: str, *, reference: bool = False) -> torch.nn.Module:
         model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, num_decoder_layers=2, num_heads=2, d_model=16,
                                                           d_kv=8, d_ff=32, vocab_size=50, decoder_start_token_id=0,
                                                           **small))
+    elif name == "hf_resnet":
+        # Basic blocks in train mode: each layer ends with a ResNetConvLayer whose activation is an
+        # Identity, whose output (its input handed back) the layer changes in place
+        # (hidden_state += residual); BatchNorm updates its running statistics.
+        model = tf.ResNetForImageClassification(tf.ResNetConfig(layer_type="basic", embedding_size=8,
+                                                                hidden_sizes=[8, 16], depths=[1, 1], num_labels=3))
+        return model.train()
     elif name == "vit":
         model = tf.ViTModel(tf.ViTConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
                                          intermediate_size=32, image_size=8, patch_size=4, num_channels=3, **small))
@@ -61,6 +68,8 @@ def inputs(name: str, seed: int = 1) -> dict:
     ids = torch.randint(0, 50, (2, 6), generator=g)
     if name in ("vit", "resnet"):
         return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g)}
+    if name == "hf_resnet":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
     if name == "t5":
         return {"input_ids": ids, "labels": torch.randint(0, 50, (2, 5), generator=g)}
     if name == "bert":
@@ -83,7 +92,7 @@ def step_loss(out) -> torch.Tensor:
     return sum(v.float().pow(2).mean() for v in parts)
 
 
-NAMES = ["gpt2", "bert", "llama", "t5", "vit", "resnet"]
+NAMES = ["gpt2", "bert", "llama", "t5", "vit", "resnet", "hf_resnet"]
 
 
 class BasicBlock(torch.nn.Module):
