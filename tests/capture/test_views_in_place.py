@@ -202,3 +202,34 @@ def test_a_change_after_the_last_hook_is_reported():
             out.mul_(2)
             out.sum().backward()
     assert {r.module for r in log.records if r.kind == "grad_output"} == {"0"}
+
+
+def _in_form(model: nn.Module, form: str, x: torch.Tensor):
+    if form == "trace":
+        return torch.jit.trace(model, (x,), check_trace=False)
+    if form == "compile":
+        torch._dynamo.reset()  # Dynamo doesn't guard on hooks: never reuse another copy's graph
+        return torch.compile(model, fullgraph=True)
+    return torch.export.export(model, (x,)).module()
+
+
+@pytest.mark.parametrize("form", ["trace", "compile", "export"])
+@pytest.mark.parametrize("case", ["Identity, ReLU(inplace)", "BatchNormAct", "slice, +="])
+def test_graphs_record_what_eager_records_for_a_value_changed_in_place(case, form):
+    """The same shapes in each graph form: the gradient records of hooks on clones, as in eager."""
+    make, make_input = CASES[case]
+    model = make().eval()  # (eval: tracing and exporting run the forward once, which would step BatchNorm)
+    torch.manual_seed(1)
+    x = make_input()
+    chosen = copy.deepcopy(model)  # which modules instrument() chooses (the handle holds it weakly)
+    names = list(picklehooks.instrument(chosen, capture="all").modules)
+    want, _ = clone_hook_grads(model, names, lambda m: m(x.detach().clone().requires_grad_()).pow(2).sum().backward())
+    instrumented = copy.deepcopy(model)
+    picklehooks.instrument(instrumented, capture="all", mode="tensor")
+    run = _in_form(instrumented, form, x.detach().clone().requires_grad_())
+    with picklehooks.record() as log:
+        run(x.detach().clone().requires_grad_()).pow(2).sum().backward()
+    got = {r.key[:3]: r.tensor for r in log.records if r.kind in ("grad_input", "grad_output") and r.call == 0}
+    assert sorted(got) == sorted(want), f"missing: {sorted(want.keys() - got.keys())}, extra: {sorted(got.keys() - want.keys())}"
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
