@@ -108,15 +108,7 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                             _ops.record_tensor(log, where, kind, n, v.detach(), state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         for where, names, values in _by_owner(module, name, params):
-            if not tracing:
-                _ops.watch_grads(where, names, values, state_flags)
-            elif torch.jit.is_tracing():  # jit.trace can't take a Tensor?[] argument: one op per parameter
-                # (torch.jit.is_tracing(), which dynamo understands; not torch._C._is_tracing)
-                for n, v in zip(names, values):
-                    if v is not None:
-                        _watch_one(v, where, n, state_flags)
-            else:  # the graph must call the op that attaches the hooks (also after saving and loading)
-                _watch(values, where, ",".join(names), state_flags)
+            _watch_group(where, names, values, state_flags, tracing)
     if below and state_flags & _ops.PARAM_GRAD:
         _watch_below(module, name, below, state_flags, tracing)
     if not flags:
@@ -162,15 +154,25 @@ def _watch_below(module, name: str, below: tuple, state_flags: int, tracing: boo
         except AttributeError:  # surgery moved a descendant (tree.check warns, naming refresh()): not ours to fail
             return
         for where, names, values in groups:  # (a swapped module's weight may be no tensor: a method)
-            _ops.watch_grads(where, names, [v if isinstance(v, torch.Tensor) else None for v in values], state_flags)
+            _watch_group(where, names, [v if isinstance(v, torch.Tensor) else None for v in values], state_flags,
+                         False)
         return
     for where, names, values in _by_owner(module, name, below):
-        if torch.jit.is_tracing():  # one op per parameter, as in pre()
-            for n, v in zip(names, values):
-                if v is not None:
-                    _watch_one(v, where, n, state_flags)
-        else:
-            _watch(values, where, ",".join(names), state_flags)
+        _watch_group(where, names, values, state_flags, True)
+
+
+def _watch_group(where: str, names, values: list, state_flags: int, tracing: bool) -> None:
+    """Have the gradients of one owner's parameters recorded as its ``param_grad``: directly in eager
+    mode, through the op that attaches the hooks in a graph (also after saving and loading)."""
+    if not tracing:
+        _ops.watch_grads(where, names, values, state_flags)
+    elif torch.jit.is_tracing():  # jit.trace can't take a Tensor?[] argument: one op per parameter
+        # (torch.jit.is_tracing(), which dynamo understands; not torch._C._is_tracing)
+        for n, v in zip(names, values):
+            if v is not None:
+                _watch_one(v, where, n, state_flags)
+    else:
+        _watch(values, where, ",".join(names), state_flags)
 
 
 def _by_owner(module, name: str, names: tuple) -> tuple:

@@ -440,7 +440,7 @@ def instrument(
                 handle._watching[name] = module
             reason = unhooked.get(name)
             if reason is not None and type(module).forward is nn.Module.forward:
-                own = [n for n, p in module.named_parameters(recurse=False) if p is not None]
+                own = _watchers.own(module)
                 owner = name.rpartition(".")[0]
                 if own and "param" in kinds and (not name or owner not in handle.modules):
                     # A ParameterList's parameters are recorded at its owner's call (see below), if it has hooks
