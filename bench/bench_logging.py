@@ -35,9 +35,10 @@ Sections (``--only`` takes a comma-separated subset; default all):
   model against ``torch.jit.script`` of the model instrumented with
   ``scriptable=True`` (the baseline here is the scripted plain model); then
   ``torch.jit.trace`` of each (the baseline: the traced plain model).
-* ``compile``: the MLP under ``torch.compile(fullgraph=True)`` (Inductor;
-  a fresh ``TORCHINDUCTOR_CACHE_DIR`` unless one is set): the compiled plain
-  model against the compiled instrumented one, idle and recording, with the
+* ``compile``: the MLP and the transformer under ``torch.compile(fullgraph=True)``
+  (Inductor; a fresh ``TORCHINDUCTOR_CACHE_DIR`` unless one is set): the compiled
+  plain model against the compiled instrumented one, idle (Dynamo's graph for
+  "nothing records", compiled before measuring) and recording, with the
   statistics computed by the record op's kernel at run time (the default
   where the native kernel is built) and by the graph itself (Inductor's
   fused reductions; the default elsewhere; each call sets the switch, on
@@ -135,6 +136,7 @@ import argparse
 import copy
 import datetime
 import gc
+import itertools
 import math
 import os
 import statistics
@@ -693,9 +695,10 @@ def compile_section(setup: Setup) -> None:
     from picklehooks import _taps
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
-    model, x = make_mlp()
-    model, x = model.to(setup.device), x.to(setup.device)
-    task = tensor_task(model, x)
+    # Every variant shares nn.Sequential.forward's cache: 2 graphs per instrumented variant (idle and
+    # recording) x 2 statistics switches x grad modes, beyond Dynamo's default limit of 8 entries.
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 64)
 
     def with_flag(run: Callable[[], None], in_graph: bool) -> Callable[[], None]:
         """``run`` with the statistics computed by the graph or not. Dynamo guards on the flag (a
@@ -714,8 +717,13 @@ def compile_section(setup: Setup) -> None:
         m.__class__ = type(f"BenchVariant{i}", (nn.Sequential,), {})  # Dynamo guards on the type
         return m
 
-    for backward in (False, True):
-        phase = f"MLP under torch.compile(fullgraph=True), {'forward+backward' if backward else 'forward (no_grad)'}"
+    for (label, make), backward in itertools.product((("MLP", make_mlp), ("transformer", make_transformer)),
+                                                     (False, True)):
+        model, x = make()
+        model, x = model.to(setup.device), x.to(setup.device)
+        task = tensor_task(model, x)
+        phase = (f"{label} under torch.compile(fullgraph=True), "
+                 f"{'forward+backward' if backward else 'forward (no_grad)'}")
         progress(f"measuring: {phase} (compiling)")
         plain = torch.compile(own_class(copy.deepcopy(model), 0), fullgraph=True)
         compiled = {}
@@ -737,7 +745,7 @@ def compile_section(setup: Setup) -> None:
         if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
             variants[C_FLOOR] = statistics_floor(variants[C_BASE], compiled[False])
         times = measure(variants, setup, warmup=5)
-        table(phase, times, C_BASE, setup, {}, summary=f"compile {'fwd+bwd' if backward else 'fwd'}")
+        table(phase, times, C_BASE, setup, {}, summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
 
 
 def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:

@@ -21,6 +21,19 @@ _LOCK = threading.Lock()
 _ON_CHANGE: list = []
 
 
+class _Switch:
+    """``bool(_ANYWHERE)`` as an attribute: what a hook traced by ``torch.compile`` reads, so that
+    Dynamo guards on it and keeps one graph while nothing records (no picklehooks op in it) and
+    one while something does. A plain object, not a module global: a torch.package archive's copy
+    of this file must share the host's (below), and the archive's modules aren't the host's."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+SWITCH: _Switch | None = _Switch()
+
+
 def active(*, from_autograd: bool = False):
     """Return the log recording in this context, or ``None``.
 
@@ -40,6 +53,7 @@ def active(*, from_autograd: bool = False):
 def push(log) -> contextvars.Token:
     with _LOCK:
         _ANYWHERE.append(log)
+        SWITCH.on = True
         for notify in _ON_CHANGE:
             notify(True)
     return _ACTIVE.set(log)
@@ -60,6 +74,7 @@ def pop(log, token: contextvars.Token) -> None:
     with _LOCK:
         if log in _ANYWHERE:
             _ANYWHERE.remove(log)
+        SWITCH.on = bool(_ANYWHERE)
         for notify in _ON_CHANGE:
             notify(bool(_ANYWHERE))
 
@@ -82,3 +97,5 @@ if __name__ != "picklehooks._state":
     else:
         active, push, pop, idle = _host.active, _host.push, _host.pop, _host.idle
         _ACTIVE, _ANYWHERE, _ON_CHANGE = _host._ACTIVE, _host._ANYWHERE, _host._ON_CHANGE
+        # A host from before the switch never flips one: None, and compiled hooks never skip.
+        SWITCH = getattr(_host, "SWITCH", None)

@@ -110,9 +110,11 @@ def backend_summary(backend: str, name: str, tmp_path) -> dict:
     if backend == "compile":
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="inductor")
-        run(compiled, x)  # compile once, recording on
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            compiled(*x)  # recording off: must reuse the same graph
+        run(compiled, x)  # the graph that records
+        compiled(*x)  # the idle graph
+        with torch._dynamo.config.patch(error_on_recompile=True):  # from now on: one of the two
+            run(compiled, x)
+            compiled(*x)
             return summary(run(compiled, x))
     if backend in ("export", "export_saveload"):
         program = torch.export.export(model, x)

@@ -601,9 +601,10 @@ def test_deepcopy_of_a_hook_that_removes_itself_through_its_handle():
 
 @pytest.fixture
 def no_recompiles():
+    """Fresh Dynamo caches; the test enters the returned context once it has run a step in each
+    recording state (a compiled model has a graph for each), and from then on nothing recompiles."""
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        yield
+    yield lambda: torch._dynamo.config.patch(error_on_recompile=True)
     torch._dynamo.reset()
 
 
@@ -613,10 +614,11 @@ def test_compiled_model_with_input_capture_compiles_once(capture, no_recompiles)
     picklehooks.instrument(m, capture=capture, example_inputs=(torch.randn(2, 4),))
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     counts = []
-    for step in range(12):  # a new batch each call: the 9th recompile used to raise
-        with picklehooks.record() as log:
-            compiled(torch.randn(2, 4, requires_grad=True)).sum().backward()
-        counts.append(len(log))
+    with no_recompiles():
+        for step in range(12):  # a new batch each call: the 9th recompile used to raise
+            with picklehooks.record() as log:
+                compiled(torch.randn(2, 4, requires_grad=True)).sum().backward()
+            counts.append(len(log))
     assert counts[0] > 0 and len(set(counts)) == 1
 
 
@@ -632,13 +634,18 @@ def test_real_models_compile_once_across_batches_and_recording_toggles(name, no_
     picklehooks.instrument(model, capture="all")
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     counts = []
-    for step in range(4):
-        recording = step % 2 == 1
+
+    def step(recording: bool, seed: int) -> None:
         with picklehooks.record() if recording else contextlib.nullcontext() as log:
-            hf.step_loss(compiled(**hf.inputs(name, seed=step + 2))).backward()
+            hf.step_loss(compiled(**hf.inputs(name, seed=seed))).backward()
         if recording:
             counts.append(len(log))
-    assert counts[0] > 0 and counts[0] == counts[1]
+
+    step(False, 0), step(True, 1)  # a graph for each recording state
+    with no_recompiles():
+        for seed in range(2, 6):
+            step(seed % 2 == 1, seed)
+    assert counts[0] > 0 and len(set(counts)) == 1
 
 
 def _full_backward_grad_inputs(model: nn.Module) -> dict:

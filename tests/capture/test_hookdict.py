@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -112,14 +113,18 @@ def test_remove_restores_plain_dicts():
 
 @pytest.mark.parametrize("compiled_while", ["idle", "recording"])
 def test_compiled_model_records_and_does_not_recompile_when_recording_toggles(compiled_while):
-    """One graph whether recording is on or off, whichever state it was compiled in (while a log
-    records, HookDict has no __bool__ of its own); records every time it records."""
+    """A graph for each recording state, whichever was compiled first (while a log records,
+    HookDict has no __bool__ of its own); after one call in each, toggling compiles nothing and
+    it records every time it records."""
     torch._dynamo.reset()
     model = _model()
     picklehooks.instrument(model)
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     x = torch.randn(3, 4)
     logs = []
+    for recording in [compiled_while == "recording", compiled_while == "idle"]:
+        with picklehooks.record() if recording else contextlib.nullcontext():
+            compiled(x)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for recording in ([False, True, False, True] if compiled_while == "idle" else [True, False, True]):
             if recording:
