@@ -24,8 +24,9 @@ LAYERS = {"pinned": 0, "serialize": 1, "capture": 2, "audit": 2, "diagnostics": 
 # Imports inside a function that reach up on purpose: thin delegations kept for the public API.
 DELEGATIONS = {
     ("picklehooks.capture.log", "picklehooks.diagnostics.jacobian"),  # Log.vjp, Log.jacobian_norm
-    ("picklehooks.capture.log", "picklehooks.integrations.tensorboard"),  # Log.to_tensorboard
-    ("picklehooks.capture.log", "picklehooks.integrations.mlflow"),  # Log.to_mlflow
+    ("picklehooks.capture.exports", "picklehooks.integrations.tensorboard"),  # Log.to_tensorboard
+    ("picklehooks.capture.exports", "picklehooks.integrations.mlflow"),  # Log.to_mlflow
+    ("picklehooks.capture.exports", "picklehooks.integrations.wandb"),  # Log.to_wandb
 }
 # One module is longer than the others on purpose: the shim travels alone, as one file, into
 # torch.package archives and to hosts without picklehooks (tests/runtime/test_shim.py::test_shim_runs_alone).

@@ -49,6 +49,7 @@ from .._shim import PicklehooksError
 from . import logfile as _logfile, sink as _sink, table as _table, tree as _tree
 from .pending import PENDING_BYTES, _Pending
 from .record import STAT_NAMES, Record, _record_from_row
+from .exports import Exports
 from .rows import Rows
 
 __all__ = ["Record", "Log", "record", "Recording", "held", "Held", "STAT_NAMES", "PENDING_BYTES", "FLUSH_ROWS", "FLUSH_BYTES"]
@@ -60,7 +61,7 @@ FLUSH_ROWS = 8192
 FLUSH_BYTES = 64 << 20
 
 
-class Log(Rows):
+class Log(Exports, Rows):
     """What one ``record()`` captured: ``log.records``, plus tables and files.
 
     ``sink``: a directory the records are streamed to (see :func:`record`).
@@ -189,35 +190,6 @@ class Log(Rows):
         """
         from ..diagnostics.jacobian import recorded_jacobian_norm
         return recorded_jacobian_norm(self, output_name, input_name, samples=samples, seed=seed)
-
-    def to_pandas(self, module=None, kind=None, path=None, call=None, step=None, rank=None, *,
-                  columns: list[str] | None = None):
-        """The records as a ``pandas.DataFrame`` of :meth:`table` rows, those matching every filter given.
-
-        Each filter is one value or a collection of values (``step=range(100, 200)``,
-        ``kind=("output", "grad_output")``); ``columns`` picks columns. With a
-        sink, this reads the records written there too (with ``append=True``,
-        earlier runs' as well), reading from the files only the row groups and
-        columns needed::
-
-            frame = log.to_pandas(module="encoder.0", kind="output", step=range(1000, 2000))
-        """
-        filters = _table._filters(module=module, kind=kind, path=path, call=call, step=step, rank=rank)
-        return _table.to_pandas(self, filters, columns)
-
-    def to_tensorboard(self, writer, step: int | None = None, *, histograms: bool = True) -> int:
-        """Write per-layer scalars and histograms to a ``SummaryWriter`` (``pip install 'picklehooks[tensorboard]'``)."""
-        from ..integrations.tensorboard import write
-        return write(self, writer, step, histograms=histograms)
-
-    def to_mlflow(self, *, step: int | None = None, run_id: str | None = None, client=None,
-                  stats: tuple[str, ...] | None = None) -> int:
-        """Log per-layer statistics as metrics of the active MLflow run (``pip install 'picklehooks[mlflow]'``).
-
-        Returns the number of metrics written; see :func:`picklehooks.integrations.mlflow.log_metrics`.
-        """
-        from ..integrations.mlflow import STATS, log_metrics
-        return log_metrics(self, step=step, run_id=run_id, client=client, stats=STATS if stats is None else stats)
 
     # -- files ----------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:

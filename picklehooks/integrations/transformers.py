@@ -26,7 +26,10 @@ trackers are handled is in :mod:`picklehooks.integrations._training`; here:
   clipped the gradients (``max_grad_norm``), before ``optimizer.step()``.
 * **Trackers**: with ``report_to`` including ``"tensorboard"``, the summaries
   go to the Trainer's own ``SummaryWriter``; with ``"mlflow"``, to the MLflow
-  run the Trainer started. ``trackers=False`` turns this off.
+  run the Trainer started; with ``"wandb"``, to the W&B run the Trainer
+  started (``wandb.run``), each row carrying ``train/global_step``, the
+  step metric the Trainer's ``WandbCallback`` declares (on the main process
+  only). ``trackers=False`` turns this off.
 * **Exceptions**: the callback records only inside ``Trainer.training_step``
   (the forward and backward passes), which it wraps for the run, so an
   exception there (a guard's :class:`~picklehooks.NonfiniteError`, an
@@ -47,10 +50,11 @@ import sys
 import warnings
 
 import transformers
-from transformers.integrations import MLflowCallback, TensorBoardCallback
+from transformers.integrations import MLflowCallback, TensorBoardCallback, WandbCallback
 
 from .._shim import PicklehooksError
 from ._training import StepRecorder
+from .wandb import _tracker as _wandb_tracker
 
 __all__ = ["PicklehooksCallback"]
 
@@ -74,8 +78,8 @@ class PicklehooksCallback(transformers.TrainerCallback):
     ``every_n_steps``: record the steps the Trainer would log with ``logging_steps=every_n_steps``
     (step ``s``, from 1, when ``s % every_n_steps == 0``; also step 1 with ``logging_first_step``).
     ``sink``: a directory to stream the records to as Parquet (``pip install 'picklehooks[parquet]'``).
-    ``trackers``: send per-layer summaries of each recorded step to the Trainer's TensorBoard and
-    MLflow. The other keyword arguments are :func:`picklehooks.instrument`'s: ``modules``,
+    ``trackers``: send per-layer summaries of each recorded step to the Trainer's TensorBoard,
+    MLflow and W&B. The other keyword arguments are :func:`picklehooks.instrument`'s: ``modules``,
     ``depth``, ``capture``, ``mode``, ``on_nonfinite``, ``profile``.
     """
 
@@ -85,6 +89,7 @@ class PicklehooksCallback(transformers.TrainerCallback):
         self.trackers = trackers
         self._trainer = None
         self._wrapped = None
+        self._wandb = None  # one W&B tracker a run, so that a missing run is warned about once
 
     @property
     def recorded(self):
@@ -96,6 +101,7 @@ class PicklehooksCallback(transformers.TrainerCallback):
         if model is None:
             raise PicklehooksError("on_train_begin got no model: PicklehooksCallback needs the Trainer's model")
         self._core.start(model)
+        self._wandb = None
         trainer = _calling_trainer()
         if trainer is None:
             warnings.warn("PicklehooksCallback found no transformers.Trainer calling it: an exception inside a "
@@ -164,6 +170,11 @@ class PicklehooksCallback(transformers.TrainerCallback):
                 out.append(_tensorboard(callback.tb_writer))
             elif isinstance(callback, MLflowCallback) and getattr(callback, "_initialized", False):
                 out.append(_mlflow())
+            elif isinstance(callback, WandbCallback) and getattr(callback, "_initialized", False) \
+                    and trainer.is_world_process_zero():  # the Trainer starts a W&B run there only
+                if self._wandb is None:
+                    self._wandb = _wandb_tracker()
+                out.append(self._wandb)
         return out
 
 
