@@ -72,8 +72,9 @@ class NonFinite(nn.Module):
 
 
 def ops_in_graph(model: nn.Module, x: torch.Tensor) -> list[str]:
-    """The picklehooks ops in the graph dynamo hands its backend, and in its subgraphs: the forward
-    and backward of an autograd Function (a compiled gradient tap whose call the record op counted,
+    """The picklehooks ops in the graph dynamo hands its backend while a log records (the idle graph
+    holds none: tests/capture/test_compiled_idle.py), and in its subgraphs: the forward and backward
+    of an autograd Function (a compiled gradient tap whose call the record op counted,
     ``_ops._GradOnlyTap``, calls ``tap_grad`` from its backward)."""
     seen: list[str] = []
 
@@ -84,7 +85,8 @@ def ops_in_graph(model: nn.Module, x: torch.Tensor) -> list[str]:
         return gm
 
     torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(x)
+    with picklehooks.record():
+        torch.compile(model, backend=backend, fullgraph=True)(x)
     return seen
 
 
