@@ -702,16 +702,18 @@ def compile_section(setup: Setup) -> None:
 
     def with_flag(run: Callable[[], None], in_graph: bool) -> Callable[[], None]:
         """``run`` with the statistics computed by the graph or not. Dynamo guards on the flag (a
-        global its tracing reads), so each call must set it: with the flag left as it was, the
-        graph variants' calls recompiled and measured the kernel's graph (bench runs before this fix)."""
+        global its tracing reads), so each call must see it set: with the flag left as it was, the
+        graph variants' calls recompiled and measured the kernel's graph (bench runs before this fix).
+        Set only where it differs, and not put back after each call: writing a global of
+        picklehooks._taps changes that module's dictionary, whose guards Dynamo then checks in full
+        at the next call (about 50 µs here), a cost of the bench and not of a model."""
         def call() -> None:
-            saved = _taps._GRAPH_STATS_ON_CPU
-            _taps._GRAPH_STATS_ON_CPU = in_graph
-            try:
-                run()
-            finally:
-                _taps._GRAPH_STATS_ON_CPU = saved
+            if _taps._GRAPH_STATS_ON_CPU is not in_graph:
+                _taps._GRAPH_STATS_ON_CPU = in_graph
+            run()
         return call
+
+    saved_flag = _taps._GRAPH_STATS_ON_CPU
 
     def own_class(m: nn.Module, i: int) -> nn.Module:
         m.__class__ = type(f"BenchVariant{i}", (nn.Sequential,), {})  # Dynamo guards on the type
@@ -746,6 +748,7 @@ def compile_section(setup: Setup) -> None:
             variants[C_FLOOR] = statistics_floor(variants[C_BASE], compiled[False])
         times = measure(variants, setup, warmup=5)
         table(phase, times, C_BASE, setup, {}, summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
+    _taps._GRAPH_STATS_ON_CPU = saved_flag
 
 
 def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:

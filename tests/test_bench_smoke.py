@@ -34,15 +34,17 @@ def test_logging_bench_prints_its_tables():
 
 
 def test_launch_count_bench_prints_a_count_per_record():
-    """The GPU path's operators per record, counted on the CPU: recording adds some to each model."""
-    out = run("bench_launches.py")
-    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+\.\d\d) \| (\d+) \| (\d+) \| (\d+\.\d) \|$",
-                      out, flags=re.M)
-    assert [r[0].split(" (")[0] for r in rows] == ["MLP", "Transformer"], out
-    for _, records, base_k, recorded_k, per_k, base, recorded, per in rows:
-        assert int(records) > 0 and int(recorded_k) > int(base_k) and float(per_k) > 0
-        # Kernels are a subset of the leaf operators (views, metadata and allocations aren't kernels).
-        assert int(base_k) < int(base) and int(recorded_k) < int(recorded) and float(per_k) <= float(per)
+    """The GPU path's operators per record, counted on the CPU, each model and capture on both paths:
+    kernels are a subset of the leaf operators, and keeping values by reference runs fewer kernels."""
+    out = run("bench_launches.py", "--smoke")
+    number = r" (\d+\.\d\d) \|"
+    rows = re.findall(r"^\| ([^|]+) \| (defaults|all) \| (\d+) \|" + number * 6 + "$", out, flags=re.M)
+    assert [(r[0].split(" (")[0], r[1]) for r in rows] == [
+        (m, c) for m in ("MLP", "Transformer", "GPT-2 small", "ResNet-18 layout") for c in ("defaults", "all")], out
+    for _, _, records, *per in rows:
+        kernels_copies, kernels_refs, _, _, leaves_copies, leaves_refs = map(float, per)
+        assert int(records) > 0 and kernels_refs < kernels_copies
+        assert kernels_copies <= leaves_copies and kernels_refs <= leaves_refs
 
 
 def test_profile_prints_where_a_recording_step_spends():

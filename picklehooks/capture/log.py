@@ -245,7 +245,7 @@ class Held(NamedTuple):
 
     records: int  #: records built (``log.records``) and not written to a sink
     rows: int  #: rows the hooks added, not built into records yet
-    copies: list  #: the buffers of batched copies not reduced yet (their memory)
+    copies: list  #: the buffers of batched copies, and the values kept by reference or watched, not reduced yet
     batches: int  #: dtypes batched since the last write, plus arenas of statistics not read yet
     unread_sink: bool  #: a log loaded from a sink whose records haven't been read into memory
 
@@ -257,7 +257,7 @@ def held(log: Log) -> Held:
     steps) and for tests, instead of the log's private attributes.
     """
     pending = log._pending
-    return Held(len(log._records), len(log._rows), [g.data for g in pending.unreduced if g.data is not None],
+    return Held(len(log._records), len(log._rows), [t for g in pending.unreduced for t in g.buffers()] + [w[0] for w in pending.watched],
                 len(pending.unreduced) + len(pending.reduced) + len(pending.seen), log._lazy is not None)
 
 

@@ -1,37 +1,59 @@
-"""Statistics of recorded copies, computed in batches on their device and read in one transfer.
+"""Statistics of recorded values, computed in batches on their device and read in one transfer.
 
 A record whose statistics can't be computed at once (a tensor on another
-device, a dtype the native pass doesn't read, no extension) is copied into
-a segment of a preallocated buffer per (device, dtype): an :class:`_Arena`.
-Recording is that one copy. The log's :class:`_Pending` reduces every arena
-the first time any record's statistics are read, and before a copy that
-would pass :data:`PENDING_BYTES` the arenas holding a sixteenth of it or
-more, with :func:`~picklehooks._stats.segment_stats`: a fixed number of
-kernels per arena and block, however many shapes were recorded, and one
-host-to-device transfer of the arena's layout, one entry per record (the
-device works out which chunk is whose).
-All tables come to the host in one transfer per device: no host
+device, a dtype the native pass doesn't read, no extension) is kept by
+reference with its version counter, in one batch per (device, dtype)
+(:class:`_Refs`): recording dispatches no operator. When reduced, a batch's
+values are laid out in one buffer by one operator (``torch._chunk_cat``),
+each padded to whole chunks of :data:`~picklehooks._stats.PAD` values, and
+reduced by :func:`~picklehooks._stats.segment_stats`: a fixed number of
+kernels per batch and block, however many shapes were recorded, and one
+host-to-device transfer of the layout, one entry per record (the device
+works out which chunk is whose). The log's :class:`_Pending` reduces every
+batch the first time any record's statistics are read, and before a value
+that would pass :data:`PENDING_BYTES` the batches holding a sixteenth of it
+or more. All tables come to the host in one transfer per device: no host
 synchronisation per hook, and none before the first read.
 
-Limits: each copy is padded to a multiple of :data:`~picklehooks._stats.PAD`
-elements, so small tensors cost up to that much memory each until reduced;
-an arena holds at least :data:`_MIN_ARENA` elements, and at most
-:data:`PENDING_BYTES` (a larger tensor gets an arena of its own). A log's
+A value changed in place between record and reduction (the output of a
+BatchNorm that a ``ReLU(inplace=True)`` then changes, a block's output
+before ``+= residual``) must never be reported with its later value. A
+site (module, kind, path) seen for the first time gets a ``clone`` in the
+batch, and its original is watched until the next reduction: the first
+recorded step learns which sites a later operator changes, without losing
+a record, and those sites are cloned from then on (:data:`_SITES`). A site
+learned as safe whose value changes later (data-dependent code) loses that
+one record: the version counter tells, its ``stats`` are ``None``, reading
+warns, and the site is cloned from then on.
+
+A value of an eighth of :data:`PENDING_BYTES` or more (an embedding matrix,
+logits over a vocabulary) is reduced alone when recorded (a few dozen
+kernels; no copy, and small float64 blocks). A record's kept
+``mode="tensor"`` value is copied into a segment of a preallocated buffer
+per (device, dtype), an :class:`_Arena`, whose rows are its statistics.
+
+Limits: values kept by reference count twice towards :data:`PENDING_BYTES`
+(the values, and the buffer their reduction lays them out in); the
+reduction's float64 block (at most 128 MiB) comes on top. Padding costs up
+to :data:`~picklehooks._stats.PAD` values per record until reduced. What a
+site needs is learned per process by name, across models: a site that
+shares its name with another model's may lose one record before it is
+cloned. An arena holds at least :data:`_MIN_ARENA` elements, and at most
+:data:`PENDING_BYTES` (a larger tensor gets an arena of its own); a log's
 first arenas are sized by growing fourfold, later logs' from what the
-largest one recorded (:data:`_CAPACITY`), so a log reduces one arena per
-(device, dtype) once the model's recording has been seen. A copy kept as a
-record's tensor (``mode="tensor"``) is a view of its arena and keeps all of
-it in memory.
+largest one recorded (:data:`_CAPACITY`). A copy kept as a record's tensor
+is a view of its arena and keeps all of it in memory.
 """
 
 from __future__ import annotations
 
+import warnings
 from array import array
 from itertools import accumulate
 
 import torch
 
-from .._stats import EMPTY, PAD, segment_stats
+from .._stats import EMPTY, PAD, matrix_stats, segment_stats
 
 __all__ = ["PENDING_BYTES"]
 
@@ -90,26 +112,142 @@ class _Arena:
         """Bytes of the buffer its copies take, their padding included."""
         return self.end * self.data.element_size()
 
-    def reduce(self) -> None:
-        """Compute the table on the device (no sync) and release the buffer.
+    def buffers(self) -> list[torch.Tensor]:
+        return [] if self.data is None else [self.data]
 
-        The host sends what it knows per record, in one transfer: where each record's chunks end,
-        its last chunk and the values in it, its size. The per-chunk layout that
-        :func:`segment_stats` reads is built from that on the device, so the host's work is per
-        record, not per chunk (a GPT-2-small step records ~1.4M chunks)."""
-        sizes, r = self.sizes, len(self.sizes)
-        ends = list(accumulate(-(-n // PAD) for n in sizes))
-        last = [e - 1 for e in ends]
-        rest = [n - (e - b) * PAD + PAD for n, b, e in zip(sizes, [0, *ends], ends)]  # values in the last chunk
-        host = bytearray(array("q", ends + last + rest).tobytes() + array("d", sizes).tobytes())
-        chunks, device = ends[-1], self.data.device
-        layout = _to_device(torch.frombuffer(host, dtype=torch.int64), device)
-        # Chunk c is record i's when ends[i - 1] <= c < ends[i]; every chunk is full but each record's last.
-        segment = torch.searchsorted(layout[:r], torch.arange(chunks, device=device), right=True)
-        valid = torch.full((chunks,), PAD, dtype=torch.int64, device=device).index_copy_(0, layout[r : 2 * r],
-                                                                                        layout[2 * r : 3 * r])
-        self.table = segment_stats(self.data[: chunks * PAD], segment, valid, layout[3 * r :].view(torch.float64))
+    def reduce(self) -> None:
+        """Compute the table on the device (no sync) and release the buffer."""
+        self.table = _segment_table(self.data, self.sizes)
         self.data = self.sizes = None
+
+
+class _Refs:
+    """Recorded values of one (device, dtype), kept by reference (no copy) until reduced.
+
+    ``used``, ``table`` and ``rows`` as an :class:`_Arena`'s; ``lost``: the
+    (index, site) of each value changed in place before the reduction, whose
+    row :meth:`_Pending.read` drops.
+    """
+
+    __slots__ = ("values", "versions", "sites", "sizes", "end", "used", "element_size", "table", "rows", "lost")
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.values: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.sites: list[tuple] = []
+        self.sizes: list[int] = []
+        self.end = 0  # elements the reduction's buffer will take, a multiple of PAD
+        self.used = 0
+        self.element_size = like.element_size()
+        self.table: torch.Tensor | None = None
+        self.rows: list | None = None
+        self.lost: list = []  # indices until reduced, then (index, site) pairs
+
+    def add(self, x: torch.Tensor, site: tuple) -> None:
+        n = x.numel()
+        self.values.append(x)
+        self.versions.append(x._version)
+        self.sites.append(site)
+        self.sizes.append(n)
+        self.end += n + -n % PAD
+        self.used += 1
+
+    def __getstate__(self) -> dict:
+        # A record pickled before its statistics are read (distributed.gather sends records so)
+        # carries its batch; the copies' version counters restart, so keep whether each changed.
+        state = {name: getattr(self, name) for name in self.__slots__}
+        if self.values is not None:
+            state["versions"] = [x._version == v for x, v in zip(self.values, self.versions)]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        if self.values is not None:
+            self.versions = [x._version if same else -1 for x, same in zip(self.values, self.versions)]
+
+    def held(self) -> int:
+        """Bytes the values take, and as many again for the buffer the reduction lays them out in."""
+        return _REF_FACTOR * self.end * self.element_size
+
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.values or ())
+
+    def reduce(self) -> None:
+        """Lay the values out in one buffer (one operator, :func:`_lay_out`), each padded to whole
+        chunks with a cached block of zeros, and compute the table on the device (no sync)."""
+        self.lost = [i for i, (x, v) in enumerate(zip(self.values, self.versions)) if x._version != v]
+        for i in self.lost:
+            _SITES[self.sites[i]] = False
+        self.lost = [(i, self.sites[i]) for i in self.lost]
+        pieces = []
+        for x, n in zip(self.values, self.sizes):
+            pieces.append(x if x.dim() else x.reshape(1))
+            if n % PAD:
+                pieces.append(_zeros(PAD - n % PAD, x))
+        with torch.no_grad():
+            data = _lay_out(pieces)
+        del pieces
+        sizes, self.values = self.sizes, None  # freed before the reduction's working memory is taken
+        self.table = _segment_table(data, sizes)
+        self.versions = self.sites = self.sizes = None
+
+
+def _segment_table(data: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The statistics of the records laid out in ``data`` (each padded to whole chunks), on its device.
+
+    The host sends what it knows per record, in one transfer: where each record's chunks end,
+    its last chunk and the values in it, its size. The per-chunk layout that
+    :func:`segment_stats` reads is built from that on the device, so the host's work is per
+    record, not per chunk (a GPT-2-small step records ~1.4M chunks)."""
+    r = len(sizes)
+    ends = list(accumulate(-(-n // PAD) for n in sizes))
+    last = [e - 1 for e in ends]
+    rest = [n - (e - b) * PAD + PAD for n, b, e in zip(sizes, [0, *ends], ends)]  # values in the last chunk
+    host = bytearray(array("q", ends + last + rest).tobytes() + array("d", sizes).tobytes())
+    chunks, device = ends[-1], data.device
+    layout = _to_device(torch.frombuffer(host, dtype=torch.int64), device)
+    # Chunk c is record i's when ends[i - 1] <= c < ends[i]; every chunk is full but each record's last.
+    segment = torch.searchsorted(layout[:r], torch.arange(chunks, device=device), right=True)
+    valid = torch.full((chunks,), PAD, dtype=torch.int64, device=device).index_copy_(0, layout[r : 2 * r],
+                                                                                    layout[2 * r : 3 * r])
+    return segment_stats(data[: chunks * PAD], segment, valid, layout[3 * r :].view(torch.float64))
+
+
+def _lay_out(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces flattened, one after another: one dispatched operator for the whole batch
+    (``torch._chunk_cat``, which flattens each piece as it copies it, FSDP2's one-kernel layout on
+    CUDA), or a ``reshape`` per piece and a ``cat`` where torch lacks it. (On the CPU,
+    ``_chunk_cat`` calls a ``reshape`` per piece itself, in C++.)"""
+    if _CHUNK_CAT is not None:
+        return _CHUNK_CAT(pieces, 0, 1).view(-1)
+    return torch.cat([p.reshape(-1) for p in pieces])
+
+
+_CHUNK_CAT = getattr(torch, "_chunk_cat", None)
+
+# Zeros that pad a value to whole chunks, per (device, dtype, length): reused, so padding costs no operator.
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
+    key = (like.device, like.dtype, n)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+    return z
+
+
+# How many times a value kept by reference counts towards PENDING_BYTES: the value, and the buffer
+# its reduction lays it out in. (The reduction's float64 block, twice a float32 layout's size up to
+# 128 MiB, comes on top; counting it too took one reduction more per step, and GPT-2 small's peak,
+# everything recorded, stayed 139 MB above the plain model's either way: tests/capture/test_pending_memory.py.)
+_REF_FACTOR = 2
+
+#: What a site's values need, by (module, kind, path), learned from the version counters of the
+#: values it recorded: True, kept by reference until reduced; False, copied when recorded (a later
+#: operator changes them in place). A site not here is copied, and its value watched until read.
+_SITES: dict[tuple, bool] = {}
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -139,14 +277,51 @@ class _Pending:
     collector ran.
     """
 
-    __slots__ = ("filling", "unreduced", "reduced", "seen", "bytes")
+    __slots__ = ("filling", "unreduced", "reduced", "seen", "bytes", "watched")
 
     def __init__(self) -> None:
-        self.filling: dict[tuple, _Arena] = {}  # the arena taking new copies, per (device, dtype)
-        self.unreduced: list[_Arena] = []  # every arena holding copies
-        self.reduced: list[_Arena] = []  # with a table, not yet read
-        self.seen: dict[tuple, int] = {}  # elements (padded) recorded per key
-        self.bytes = 0  # held by the unreduced arenas' copies, padding included (their held())
+        # The batch taking new values, per (device, dtype, by reference): an _Arena or _Refs.
+        self.filling: dict[tuple, _Arena | _Refs] = {}
+        self.unreduced: list[_Arena | _Refs] = []  # every batch holding values
+        self.reduced: list[_Arena | _Refs] = []  # with a table, not yet read
+        self.seen: dict[tuple, int] = {}  # elements (padded) copied per (device, dtype)
+        self.bytes = 0  # what the unreduced batches hold (their held())
+        # (value, its version when recorded, site): values of sites seen for the first time, copied,
+        # whose versions say at the next reduction whose values can be kept by reference.
+        self.watched: list[tuple] = []
+
+    def add_value(self, x: torch.Tensor, site: tuple) -> _Arena | _Refs:
+        """Batch ``x``'s statistics (``x`` is the record's last row of the returned batch): kept by
+        reference where its site is known to leave its values alone, else a copy of it is (see
+        :data:`_SITES`); either way in its (device, dtype)'s one batch."""
+        if not x.numel():
+            return self.add(x)[0]
+        n = x.numel()
+        if n * x.element_size() >= PENDING_BYTES // 8:
+            # Reduced alone, now: no copy, no layout, and its float64 blocks are small (an embedding
+            # matrix, logits over a vocabulary); a few fixed reductions a step for the largest values.
+            with torch.no_grad():
+                return self.add_table(matrix_stats(x.reshape(1, -1))[0])
+        safe = _SITES.get(site)
+        nbytes = _REF_FACTOR * (n + -n % PAD) * x.element_size()  # as _Refs.held() counts it
+        watched = safe is None
+        if watched:
+            nbytes += n * x.element_size()  # the original, held until the next reduction
+        if self.bytes and self.bytes + nbytes > PENDING_BYTES:
+            self.reduce(everything=False)
+        if not safe:
+            if watched:
+                self.watched.append((x, x._version, site))
+            with torch.no_grad():  # one operator, where detach() and clone() are two
+                x = x.clone()  # in the same batch as the values kept by reference: one reduction for all
+        key = (x.device, x.dtype, True)
+        refs = self.filling.get(key)
+        if refs is None:
+            refs = self.filling[key] = _Refs(x)
+            self.unreduced.append(refs)
+        refs.add(x, site)
+        self.bytes += nbytes
+        return refs
 
     def add(self, x: torch.Tensor) -> tuple[_Arena, torch.Tensor]:
         """Copy ``x`` into an arena; return the arena (``x``'s statistics are its last row) and the copy,
@@ -187,6 +362,14 @@ class _Pending:
         are a fixed number per arena, and the few integer values a model records (token ids,
         positions) would pay them at every reduction of its float activations."""
         kept = [] if everything else [a for a in self.unreduced if a.held() < PENDING_BYTES // 16]
+        if self.watched:
+            # A site whose value nothing changed so far is kept by reference from now on. Usually at
+            # a read, after the step; a reduction for the budget, inside a step, may learn before a
+            # later operator changes one: that site's next record is lost (flagged), and copied since.
+            for x, version, site in self.watched:
+                if _SITES.get(site) is not False:
+                    _SITES[site] = x._version == version
+            self.watched = []
         for arena in self.unreduced:
             if arena not in kept:
                 arena.reduce()
@@ -204,9 +387,18 @@ class _Pending:
         for arenas in by_device.values():
             rows = torch.cat([arena.table for arena in arenas]).cpu().tolist()
             start = 0
+            lost = []
             for arena in arenas:
                 arena.rows, start = rows[start : start + arena.used], start + arena.used
                 arena.table = None
+                for i, site in getattr(arena, "lost", ()):
+                    arena.rows[i] = None
+                    lost.append(" ".join(filter(None, site)))
+            if lost:
+                warnings.warn(f"picklehooks: {len(lost)} recorded value(s) were changed in place before their "
+                              f"statistics were computed on the device ({', '.join(sorted(set(lost))[:5])}): "
+                              "those records have no statistics (stats is None); these sites are copied when "
+                              "recorded from now on", stacklevel=3)
 
 
 # Elements (padded) recorded per (device, dtype) by the largest log so far, to size the next log's arenas.
@@ -223,9 +415,10 @@ class _PendingRow(tuple):
     __slots__ = ()
 
 
-def _read_pending(src: _PendingRow) -> list[float]:
-    """The statistics of a batched record; the first read of a log's brings all of
-    its pending statistics to the host (one transfer per device)."""
+def _read_pending(src: _PendingRow) -> list[float] | None:
+    """The statistics of a batched record (``None`` for a value changed in place before its
+    reduction); the first read of a log's brings all of its pending statistics to the host (one
+    transfer per device)."""
     pending, arena, i = src
     if arena.rows is None:
         pending.read()

@@ -125,7 +125,8 @@ class Record:
         """
         if self._stats is None and self._src is not None:
             values = _read_pending(self._src) if type(self._src) is _PendingRow else self._src
-            self._stats, self._src = _stats_dict(self.shape, self.dtype, values), None
+            # None: the value was changed in place before its batch was reduced (lost, and warned).
+            self._stats, self._src = None if values is None else _stats_dict(self.shape, self.dtype, values), None
         return self._stats
 
     @property

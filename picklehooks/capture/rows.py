@@ -75,13 +75,14 @@ class Rows(CallPairing):
         self.step = step
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
-        """Record ``x`` as it is now: statistics are computed here or ``x`` is copied, never kept as is.
+        """Record ``x`` as it is now: statistics are computed here, or batched on ``x``'s device.
 
         A CPU tensor's statistics come from one native pass over its memory
         (:mod:`picklehooks._native`), before any later in-place op can change
         it: no copy. Otherwise (another device, another dtype, no extension)
-        ``x`` is copied into its dtype's arena, reduced later with the rest, on its
-        device (:class:`_Pending`), with no host sync either way.
+        ``x`` is batched with the rest and reduced later on its device
+        (:class:`_Pending`): kept by reference with its version counter, or
+        copied where its site's values get changed in place; no host sync either way.
 
         Most records (statistics of a CPU tensor, or a copy alone) take ``_add_row``,
         which does all of this in one C call; the rows are the same.
@@ -100,12 +101,12 @@ class Rows(CallPairing):
             if stats is None and not x.numel():
                 stats = EMPTY
             elif stats is None:
-                x = x.detach()
                 pending = self._pending  # once: flush() replaces it
-                group, row = pending.add(x)
-                src = _PendingRow((pending, group, group.used - 1))
                 if flags & TENSOR:
-                    tensor = row  # the batch's copy
+                    group, tensor = pending.add(x.detach())  # the batch's copy is the kept tensor
+                else:
+                    group = pending.add_value(x, (module, kind, path))
+                src = _PendingRow((pending, group, group.used - 1))
         if flags & TENSOR and tensor is None:
             # A copy: the caller's tensor may change in place later (inplace ReLU,
             # optimizer steps, gradient accumulation). One memory pass, no sync.
