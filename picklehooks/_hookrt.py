@@ -123,7 +123,8 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                     for n, v in zip(names, values):
                         if log is not None and v is not None:
                             # A DTensor (FSDP2 outside its unsharded forward, tensor parallelism): its shard.
-                            _ops.record_tensor(log, where, kind, n, v.detach(), state_flags)
+                            # Not detached: the log reads it now or keeps it (no operator on the device path).
+                            _ops.record_tensor(log, where, kind, n, v, state_flags)
     if state_flags & _ops.PARAM_GRAD and params:
         for where, names, values in _by_owner(module, name, params):
             _watch_group(where, names, values, state_flags, tracing)
