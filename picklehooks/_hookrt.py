@@ -44,10 +44,10 @@ from ._swaps import SWAPPED as _SWAPPED
 from ._views import VIEWS as _VIEWS
 from ._shim import PicklehooksError
 from ._taps import (  # noqa: F401 - re-exported: tests, bench and earlier versions' archives read them here
-    _FX_SYMBOLIC, _GRAD, _GRAD_NONE, _GRAD_SURE, _GRAPH_STATS_ON_CPU, _GUARD, _INPUT_GRAD, _PLAIN, _RECORDING,
-    _TENSORLIKE, _VALUE, _Alias, _EXPORT_KNOWN, _active_log, _alias, _clamp_grad, _compiler, _dynamo_compiling, _eager_tap,
-    _eager_tree, _first_tensor, _forward_lane, _functorch_active, _fx, _graph_task_id, _hook_grad, _is_exporting,
-    _inline_checks, _is_compiling, _is_jit_tracing, _join, _PyGradRecorder, _range_enter, _range_exit,
+    _EXPORT_KNOWN, _FX_SYMBOLIC, _GRAD, _GRAD_NONE, _GRAD_SURE, _GRAPH_STATS_ON_CPU, _GUARD, _INPUT_GRAD, _PLAIN,
+    _RECORDING, _TENSORLIKE, _VALUE, _Alias, _active_log, _alias, _clamp_grad, _compiler, _dynamo_compiling,
+    _eager_tap, _eager_tree, _first_tensor, _forward_lane, _functorch_active, _fx, _graph_task_id, _hook_grad,
+    _inline_checks, _is_compiling, _is_exporting, _is_jit_tracing, _join, _PyGradRecorder, _range_enter, _range_exit,
     _recomputing, _record, _record_grad, _record_state, _record_stats, _tap, _traced_tap, _tracing, _watch,
     _watch_one, _zero_grads, tap_tree)
 

@@ -143,10 +143,11 @@ class _Refs:
         self.rows: list | None = None
         self.lost: list = []  # indices until reduced, then (index, site) pairs
 
-    def add(self, x: torch.Tensor, site: tuple) -> None:
+    def add(self, x: torch.Tensor, site: tuple, version: int | None) -> None:
+        """Keep ``x``; ``version``: its version counter now, or ``None`` for a copy nothing else holds."""
         n = x.numel()
         self.values.append(x)
-        self.versions.append(x._version)
+        self.versions.append(version)
         self.sites.append(site)
         self.sizes.append(n)
         self.end += n + -n % PAD
@@ -157,7 +158,7 @@ class _Refs:
         # carries its batch; the copies' version counters restart, so keep whether each changed.
         state = {name: getattr(self, name) for name in self.__slots__}
         if self.values is not None:
-            state["versions"] = [x._version == v for x, v in zip(self.values, self.versions)]
+            state["versions"] = [v is None or x._version == v for x, v in zip(self.values, self.versions)]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -176,7 +177,7 @@ class _Refs:
     def reduce(self) -> None:
         """Lay the values out in one buffer (one operator, :func:`_lay_out`), each padded to whole
         chunks with a cached block of zeros, and compute the table on the device (no sync)."""
-        self.lost = [i for i, (x, v) in enumerate(zip(self.values, self.versions)) if x._version != v]
+        self.lost = [i for i, (x, v) in enumerate(zip(self.values, self.versions)) if v is not None and x._version != v]
         for i in self.lost:
             _SITES[self.sites[i]] = False
         self.lost = [(i, self.sites[i]) for i in self.lost]
@@ -302,7 +303,9 @@ class _Pending:
             # matrix, logits over a vocabulary); a few fixed reductions a step for the largest values.
             with torch.no_grad():
                 return self.add_table(matrix_stats(x.reshape(1, -1))[0])
-        safe = _SITES.get(site)
+        inference = x.is_inference()
+        # An inference tensor (made under torch.inference_mode) has no version counter: copied, unwatched.
+        safe = False if inference else _SITES.get(site)
         nbytes = _REF_FACTOR * (n + -n % PAD) * x.element_size()  # as _Refs.held() counts it
         watched = safe is None
         if watched:
@@ -319,7 +322,7 @@ class _Pending:
         if refs is None:
             refs = self.filling[key] = _Refs(x)
             self.unreduced.append(refs)
-        refs.add(x, site)
+        refs.add(x, site, x._version if safe else None)  # None: a copy made here, nobody else's
         self.bytes += nbytes
         return refs
 

@@ -227,3 +227,21 @@ def test_values_kept_by_reference_stay_within_the_budget(device_path, monkeypatc
     assert max(peak) <= (1 << 20) // 2, max(peak)
     for rec, t in zip(log.records, tensors):
         check(rec.stats, reference(t), tuple(t.shape))
+
+
+def test_values_made_under_inference_mode_are_copied(device_path):
+    """An inference tensor has no version counter to watch: its values are copied when recorded,
+    every step, and recording under ``torch.inference_mode()`` works as under ``no_grad``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    picklehooks.instrument(model, capture="output")
+    for step in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            want = plain_stats(model[0](x))  # before the in-place ReLU changes it
+        with picklehooks.record() as log:
+            with torch.inference_mode():
+                model(x)
+        got = {r.module: r.stats for r in log.records}
+        assert got["0"]["mean"] == pytest.approx(want["mean"], rel=1e-9), step
+    assert ("0", "output", "") not in pending._SITES
