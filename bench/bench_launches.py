@@ -187,8 +187,8 @@ def main() -> None:
           "recording statistics (of every output and output gradient with `instrument()`'s defaults; of every "
           "input, output, gradient, parameter and buffer with `capture=\"all\"`) and reading them, after a step "
           "that learned which values get changed in place. *Copies*: every record copied into its arena when "
-          "recorded (the path before this one); *references*: the values kept by reference and laid out "
-          "when reduced.\n")
+          "recorded (the batching before this one; the rest of the eager path as now); *references*: the "
+          "values kept by reference and laid out when reduced.\n")
     print("| model | capture | records | kernels per record: copies | references "
           "| dispatched ops per record: copies | references | leaf ops per record: copies | references |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -282,7 +282,9 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
         elif inputs is None or x.is_leaf or x._is_view() or any(x is i for i in inputs):
             # A view stays a view (Flatten, view(-1), an input handed back): autograd must know that
             # a caller's in-place change to it changes its base too, which an alias would hide.
-            x = x.view_as(x)
+            # x[...] is aten::alias, a view whose backward hands the gradient on as it is: one
+            # operator dispatched, where view_as dispatches a view and, in the backward, a reshape.
+            x = x[...]
             _hook_grad(x, recorder)
             _watch_view(x, recorder)
         elif direct:
