@@ -281,10 +281,11 @@ def _eager_tap(x: torch.Tensor, name: str, kind: str, path: str, flags: int, inp
                 _watch_view(x, recorder)
         elif inputs is None or x.is_leaf or x._is_view() or any(x is i for i in inputs):
             # A view stays a view (Flatten, view(-1), an input handed back): autograd must know that
-            # a caller's in-place change to it changes its base too, which an alias would hide.
+            # a caller's in-place change to it changes its base too, which an _Alias would hide.
             # x[...] is aten::alias, a view whose backward hands the gradient on as it is: one
             # operator dispatched, where view_as dispatches a view and, in the backward, a reshape.
-            x = x[...]
+            # Tensor subclasses (a jagged nested tensor, a DTensor) may lack aten::alias: view_as.
+            x = x[...] if type(x) in _PLAIN else x.view_as(x)
             _hook_grad(x, recorder)
             _watch_view(x, recorder)
         elif direct:
