@@ -78,6 +78,7 @@ class _Arena:
     """
 
     __slots__ = ("data", "capacity", "end", "sizes", "used", "table", "rows")
+    lost = ()  # a copy can't be changed by anyone else (see _Refs.lost)
 
     def __init__(self, like: torch.Tensor, capacity: int) -> None:
         self.data = torch.zeros(capacity, dtype=like.dtype, device=like.device)
@@ -133,7 +134,7 @@ class _Refs:
 
     def __init__(self, like: torch.Tensor) -> None:
         self.values: list[torch.Tensor] = []
-        self.versions: list[int] = []
+        self.versions: list[int | None] = []
         self.sites: list[tuple] = []
         self.sizes: list[int] = []
         self.end = 0  # elements the reduction's buffer will take, a multiple of PAD
@@ -141,7 +142,7 @@ class _Refs:
         self.element_size = like.element_size()
         self.table: torch.Tensor | None = None
         self.rows: list | None = None
-        self.lost: list = []  # indices until reduced, then (index, site) pairs
+        self.lost: list[tuple[int, tuple]] = []  # (index, site), set when reduced
 
     def add(self, x: torch.Tensor, site: tuple, version: int | None) -> None:
         """Keep ``x``; ``version``: its version counter now, or ``None`` for a copy nothing else holds."""
@@ -177,10 +178,10 @@ class _Refs:
     def reduce(self) -> None:
         """Lay the values out in one buffer (one operator, :func:`_lay_out`), each padded to whole
         chunks with a cached block of zeros, and compute the table on the device (no sync)."""
-        self.lost = [i for i, (x, v) in enumerate(zip(self.values, self.versions)) if v is not None and x._version != v]
-        for i in self.lost:
-            _SITES[self.sites[i]] = False
-        self.lost = [(i, self.sites[i]) for i in self.lost]
+        self.lost = [(i, site) for i, (x, v, site) in enumerate(zip(self.values, self.versions, self.sites))
+                     if v is not None and x._version != v]
+        for _, site in self.lost:
+            _SITES[site] = False
         pieces = []
         for x, n in zip(self.values, self.sizes):
             pieces.append(x if x.dim() else x.reshape(1))
@@ -394,7 +395,7 @@ class _Pending:
             for arena in arenas:
                 arena.rows, start = rows[start : start + arena.used], start + arena.used
                 arena.table = None
-                for i, site in getattr(arena, "lost", ()):
+                for i, site in arena.lost:
                     arena.rows[i] = None
                     lost.append(" ".join(filter(None, site)))
             if lost:
