@@ -45,6 +45,13 @@ INPUT_GRAD = 512
 #: On a ``record`` op traced by ``jit.trace``: the value is a number the tracer turned into a 0-dim
 #: tensor (``x.shape[0]`` passed to a module), recorded as the number eager mode records.
 NUMBER = 1024
+#: Set by ``torch.compile`` tracing (not ``torch.export``) on every value it records or taps. Such a
+#: value is a buffer of the compiled graph, which Inductor may reuse for later values once the op
+#: returns, without a version bump: the log copies it, never keeps it by reference. And a compiled
+#: backward gets zeros, not ``None``, for a graph output the caller gave no gradient, so an all-zero
+#: gradient there may stand for none (the log marks it: see
+#: :meth:`picklehooks.capture.rows.Rows._mark_zeros_if_none`). Earlier versions' kernels ignore it.
+COMPILED = 2048
 
 
 class NonfiniteError(PicklehooksError, FloatingPointError):

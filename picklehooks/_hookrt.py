@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from . import _ops, _state, _swaps, _taps, _views
+from . import _ops, _shim, _state, _swaps, _taps, _views
 from ._swaps import SWAPPED as _SWAPPED
 from ._views import VIEWS as _VIEWS
 from ._shim import PicklehooksError
@@ -50,6 +50,44 @@ from ._taps import (  # noqa: F401 - re-exported: tests, bench and earlier versi
     _inline_checks, _is_compiling, _is_exporting, _is_jit_tracing, _join, _PyGradRecorder, _range_enter, _range_exit,
     _recomputing, _record, _record_grad, _record_state, _record_stats, _tap, _traced_tap, _tracing, _watch,
     _watch_one, _zero_grads, tap_tree)
+
+
+def _top_frames_eager(fn) -> None:
+    """Have Dynamo run a generated hook as it is, never compiled, where the hook is a frame of its own.
+
+    ``torch.compile(model)`` runs the root's ``nn.Module.__call__`` in eager mode and compiles
+    each frame it calls: the root's hooks and its ``forward``, each a graph (a submodule's hooks
+    are inlined into the ``forward``'s graph). A root hook's graph hands its tapped values to
+    the next graph, so where the caller gives one of them no gradient (an output the loss
+    doesn't use, an input that only feeds ``mask == 0``) autograd gives that graph's backward
+    zeros and its ``tap_grad`` recorded them (issue 40, item 3). Run as it is, the hook taps
+    as in eager mode, and records exactly what eager mode records.
+
+    A code object's Dynamo strategy (libtorch's ``set_code_exec_strategy``, which skips the hook's
+    frame and every frame it calls) applies where Dynamo is asked to compile the frame, never
+    where it inlines the hook into a graph it traces. Called by the shim for each hook it defines
+    (:data:`picklehooks._shim.ON_DEFINE`); a torch without the function compiles the hook as before.
+    """
+    code = fn.__code__
+    if _SKIP_FRAMES is None or not code.co_name.startswith("picklehooks_") \
+            or getattr(fn.__globals__.get("_rt"), "_top_frames_eager", None) is not _top_frames_eager:
+        return  # not a hook generated to call this runtime (a user's portable hook is compiled as ever)
+    try:
+        _set_strategy(code, _SKIP_FRAMES)
+    except Exception:  # noqa: BLE001 - a torch that changed the function: hooks are compiled as before
+        pass
+
+
+# libtorch's own module, read as an attribute: no import of torch._dynamo (1.2 s), and none a
+# torch.package importer would have to resolve (it can't import torch._C's submodules).
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+try:
+    _set_strategy = _eval_frame.set_code_exec_strategy
+    _SKIP_FRAMES = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.SKIP)
+except (AttributeError, TypeError):  # an older torch
+    _SKIP_FRAMES = _set_strategy = None
+if _top_frames_eager not in _shim.ON_DEFINE:
+    _shim.ON_DEFINE.append(_top_frames_eager)
 
 
 def skip(flags: int = 0) -> bool:

@@ -76,7 +76,7 @@ from . import _native, _state
 from ._deliver import (  # noqa: F401 - re-exported: generated text, archives and the host read them here
     COUNTED, GRAD, GRAD_NONE, GRAD_SURE, GUARD, INPUT_GRAD, NUMBER, PARAM_GRAD, RANGE_PREFIX, STATS, TENSOR, VALUE,
     _FSDP_STATE, _MODULES, _OWNERS_ATTR, _PLAIN, _RANGES, _SITE_CALLS_KEPT, _SITE_MODULUS, _SITE_SHIFT, _SITES,
-    _WATCHED, _ZEROED, NonfiniteError, _active_log, _deliver, _deliver_grad, _note_site, _pair_by_site,
+    COMPILED, _WATCHED, _ZEROED, NonfiniteError, _active_log, _deliver, _deliver_grad, _note_site, _pair_by_site,
     check_finite, graph_site, range_enter, range_exit, record_tensor, unwatch_grads, unzero_grads, watch_grads,
     zero_grads)
 
@@ -269,6 +269,10 @@ def _tap_grad_kernel(g: torch.Tensor, module: str, kind: str, path: str, flags: 
         if log is not None:
             _pair_by_site(log, module, kind, path, flags)
             _deliver(g, module, kind, path, flags, from_autograd=True)
+            if flags & COMPILED and flags & STATS:
+                mark = getattr(log, "_mark_zeros_if_none", None)  # (a host log of an earlier version: none)
+                if mark is not None:
+                    mark(module, kind, path)
     return g.clone()
 
 

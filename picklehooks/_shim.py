@@ -697,8 +697,15 @@ class _HubLoader(importlib.abc.Loader):
         # Refresh linecache: drop a realised (now stale) entry, leave a lazy one.
         linecache.cache.pop(self.filename, None)
         linecache.lazycache(self.filename, namespace)
+        for callback in ON_DEFINE:
+            callback(fn)
         return fn, hook_module, (offset, len(lines))
 
+
+#: Called with each hook function the hub defines, once (the shim imports nothing else of picklehooks:
+#: the hook runtime, which generated hooks import, puts its callback here; see
+#: ``picklehooks._hookrt._top_frames_eager``). A callback must not raise.
+ON_DEFINE: list = []
 
 #: Default bound on the text one process decodes, over all hook names.
 MAX_TOTAL_SOURCE_BYTES = 64 << 20

@@ -74,6 +74,7 @@ _VALUE, _GRAD, _GUARD = _ops.VALUE, _ops.GRAD, _ops.GUARD
 # may still deliver its gradient, which the log's "maybe" calls are for.)
 _GRAD_SURE, _GRAD_NONE = _ops.GRAD_SURE, _ops.GRAD_NONE
 _INPUT_GRAD = _ops.INPUT_GRAD
+_COMPILED = getattr(_ops, "COMPILED", 0)  # (0 under an older host runtime)
 
 
 def _tracing() -> bool:
@@ -330,6 +331,8 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     The model keeps ``x`` itself unless a gradient is wanted: only the ``tap``
     op's autograd formula can see the gradient, and it must sit in the dataflow.
     """
+    if _is_compiling() and _EXPORT_KNOWN and not _is_exporting():
+        flags |= _COMPILED  # a buffer Inductor may reuse; zeros where no gradient came (see _ops.COMPILED)
     if flags & _ops.GRAD and _is_compiling() and isinstance(x, torch.Tensor):
         # Only tracing knows whether this value gets a gradient (a no_grad block inside the
         # model): the compiled forward runs without autograd. Tell the kernels, for pairing.

@@ -292,10 +292,11 @@ class _Pending:
         # whose versions say at the next reduction whose values can be kept by reference.
         self.watched: list[tuple] = []
 
-    def add_value(self, x: torch.Tensor, site: tuple) -> _Arena | _Refs:
+    def add_value(self, x: torch.Tensor, site: tuple, copy: bool = False) -> _Arena | _Refs:
         """Batch ``x``'s statistics (``x`` is the record's last row of the returned batch): kept by
         reference where its site is known to leave its values alone, else a copy of it is (see
-        :data:`_SITES`); either way in its (device, dtype)'s one batch."""
+        :data:`_SITES`); either way in its (device, dtype)'s one batch. ``copy``: always a copy
+        (a compiled graph's buffer, which Inductor may reuse with no version bump)."""
         if not x.numel():
             return self.add(x)[0]
         n = x.numel()
@@ -306,7 +307,7 @@ class _Pending:
                 return self.add_table(matrix_stats(x.reshape(1, -1))[0])
         inference = x.is_inference()
         # An inference tensor (made under torch.inference_mode) has no version counter: copied, unwatched.
-        safe = False if inference else _SITES.get(site)
+        safe = False if inference or copy else _SITES.get(site)
         nbytes = _REF_FACTOR * (n + -n % PAD) * x.element_size()  # as _Refs.held() counts it
         watched = safe is None
         if watched:

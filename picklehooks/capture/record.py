@@ -91,6 +91,41 @@ def _stats_dict(shape: tuple, dtype: str, values) -> dict:
 
 
 
+class _ZerosIfNone:
+    """A record's source of statistics (a row's values or :class:`_PendingRow`) for a gradient that a
+    ``torch.compile`` backward computed: all zeros there may stand for no gradient at all (see
+    :data:`picklehooks._ops.COMPILED`), so such a record gets no statistics and a :attr:`Record.note`."""
+
+    __slots__ = ("src", "site")
+
+    def __init__(self, src, site: tuple[str, str, str]) -> None:
+        self.src, self.site = src, site
+
+
+#: What :func:`_resolve` gives, and a read record keeps in ``_src``, for an all-zero compiled gradient.
+_NO_GRADIENT = object()
+NO_GRADIENT_NOTE = ("torch.compile gives a compiled backward zeros where the caller gave a graph output no "
+                    "gradient, so this all-zero gradient may be no gradient at all (eager mode records none then)")
+
+
+def _resolve(src):
+    """The statistics values of a record's source (``None``: changed in place before its reduction;
+    :data:`_NO_GRADIENT`: a compiled gradient of all zeros, which may be none)."""
+    if type(src) is _PendingRow:
+        return _read_pending(src)
+    if type(src) is not _ZerosIfNone:
+        return src
+    values = _resolve(src.src)
+    # zero_frac is 1 only for a non-empty value of zeros (NaN counts as no zero).
+    if values is not None and values[STAT_NAMES.index("zero_frac")] == 1.0:
+        module, kind, path = src.site
+        warnings.warn(f"{module or '<root>'} {kind} (path {path!r}) is all zeros in a torch.compile graph, "
+                      "where it may stand for no gradient at all: its stats are None (Record.note says why)",
+                      RuntimeWarning, stacklevel=3)
+        return _NO_GRADIENT
+    return values
+
+
 @dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)  # slots: built per record when read
 class Record:
     """One recorded value.
@@ -123,11 +158,25 @@ class Record:
 
         The first read brings every pending statistic of the log to the host at once.
         """
-        if self._stats is None and self._src is not None:
-            values = _read_pending(self._src) if type(self._src) is _PendingRow else self._src
+        if self._stats is None and self._src is not None and self._src is not _NO_GRADIENT:
+            values = _resolve(self._src)
+            if values is _NO_GRADIENT:
+                self._src = values  # (note reads it)
+                return None
             # None: the value was changed in place before its batch was reduced (lost, and warned).
             self._stats, self._src = None if values is None else _stats_dict(self.shape, self.dtype, values), None
         return self._stats
+
+    @property
+    def note(self) -> str | None:
+        """Why this record has no statistics though its value was recorded, or ``None``.
+
+        Set for a gradient a ``torch.compile`` backward computed as all zeros where it may be
+        no gradient at all (:data:`NO_GRADIENT_NOTE`).
+        """
+        if type(self._src) is _ZerosIfNone:
+            self.stats  # noqa: B018 - resolves it
+        return NO_GRADIENT_NOTE if self._src is _NO_GRADIENT else None
 
     @property
     def key(self) -> tuple[str, str, str, int]:

@@ -26,13 +26,13 @@ import torch
 
 from .. import _native
 from .._native import stats as native_stats
-from .._ops import GRAD_NONE, GRAD_SURE, STATS, TENSOR
+from .._ops import COMPILED, GRAD_NONE, GRAD_SURE, STATS, TENSOR
 from .._shim import PicklehooksError
 from .._stats import EMPTY
 from .logfile import dtype_name
 from .pairing import _FORWARD_OF, _MAYBE, _MAYBE_KEPT, _MAYBE_TRIM, _PAIRED, _SURE, CallPairing, _expects_grad
 from .pending import _Pending, _PendingRow
-from .record import Record
+from .record import Record, _ZerosIfNone
 
 # Log._add_tensor's common cases in one C call (see picklehooks._native.row_lane), or None.
 _add_row = _native.row_lane(sure=_SURE, maybe=_MAYBE, stats_bit=STATS, tensor_bit=TENSOR, sure_bit=GRAD_SURE,
@@ -105,7 +105,8 @@ class Rows(CallPairing):
                 if flags & TENSOR:
                     group, tensor = pending.add(x.detach())  # the batch's copy is the kept tensor
                 else:
-                    group = pending.add_value(x, (module, kind, path))
+                    # A compiled graph's buffer may be reused once the op returns: copied (see _ops.COMPILED).
+                    group = pending.add_value(x, (module, kind, path), copy=bool(flags & COMPILED))
                 src = _PendingRow((pending, group, group.used - 1))
         if flags & TENSOR and tensor is None:
             # A copy: the caller's tensor may change in place later (inplace ReLU,
@@ -134,6 +135,20 @@ class Rows(CallPairing):
             pending = self._pending
             values, src = None, _PendingRow((pending, pending.add_table(stats.clone()), 0))  # no sync
         self._rows.append((module, kind, path, call, self.step, shape, dtype, values, src, None, None))
+
+    def _mark_zeros_if_none(self, module: str, kind: str, path: str) -> None:
+        """The gradient just recorded at this site came from a ``torch.compile`` backward, which gets
+        zeros where no gradient came (:data:`picklehooks._ops.COMPILED`): if it is all zeros,
+        it is read as no statistics and a note (:class:`~picklehooks.capture.record._ZerosIfNone`).
+        Called by ``tap_grad``'s kernel right after the row was added, on the same thread."""
+        rows = self._rows
+        if not rows:
+            return
+        row = rows[-1]
+        if row[0] != module or row[1] != kind or row[2] != path or (row[7] is None and row[8] is None):
+            return  # not this site's row (a kept tensor alone has no statistics to withhold)
+        stats = row[7] if row[7] is not None else row[8]
+        rows[-1] = (*row[:7], None, _ZerosIfNone(stats, (module, kind, path)), *row[9:])
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
         self._records_now().append(Record(module, kind, path, self._next_call(module, kind, path), self.step,

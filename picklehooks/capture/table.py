@@ -10,8 +10,7 @@ from __future__ import annotations
 from .._shim import PicklehooksError
 from . import sink as _sink
 from .logfile import dtype_name
-from .pending import _read_pending
-from .record import _COUNTS, STAT_NAMES, Record, _record_from_row
+from .record import _COUNTS, _NO_GRADIENT, STAT_NAMES, Record, _record_from_row, _resolve
 
 _NO_STATS = (None,) * len(STAT_NAMES)
 
@@ -39,8 +38,8 @@ def _columns(records: list[Record], rows: list[tuple], rank: int | None) -> tupl
         columns["rank"] += [rank] * len(rows)
         for s, pending in zip(row_stats, src):
             if s is None and pending is not None:
-                s = _read_pending(pending)
-            stats.append(_NO_STATS if s is None else s)
+                s = _resolve(pending)
+            stats.append(_NO_STATS if s is None or s is _NO_GRADIENT else s)
         offset = len(records)
         tensors.update((offset + i, t) for i, t in enumerate(kept) if t is not None)
     for name, values in zip(STAT_NAMES, zip(*stats)):
