@@ -102,8 +102,17 @@ class _ZerosIfNone:
         self.src, self.site = src, site
 
 
+class _NoGradient:
+    """The type of :data:`_NO_GRADIENT`: one object, which pickles and copies as itself."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "_NO_GRADIENT"
+
+
 #: What :func:`_resolve` gives, and a read record keeps in ``_src``, for an all-zero compiled gradient.
-_NO_GRADIENT = object()
+_NO_GRADIENT = _NoGradient()
 NO_GRADIENT_NOTE = ("torch.compile gives a compiled backward zeros where the caller gave a graph output no "
                     "gradient, so this all-zero gradient may be no gradient at all (eager mode records none then)")
 

@@ -14,6 +14,7 @@ mode, which fire only where a gradient flows.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -175,8 +176,12 @@ def test_a_compiled_gradient_of_real_zeros_is_marked_too_not_dropped():
         with picklehooks.record() as log:
             (run(*_inputs("dict")) * 0).sum().backward()
         (record,) = log.records
+        unread = pickle.loads(pickle.dumps(record))
         assert record.key == ("a", "grad_output", "", 0)
         assert record.stats is None and record.note == NO_GRADIENT_NOTE
+        # Pickled before and after it was read, the record keeps its mark.
+        for again in (unread, pickle.loads(pickle.dumps(record)), copy.deepcopy(record)):
+            assert again.stats is None and again.note == NO_GRADIENT_NOTE
 
 
 def test_hf_t5_encoder_last_hidden_state_the_loss_doesnt_use_records_no_gradient():
