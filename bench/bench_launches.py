@@ -134,7 +134,7 @@ def _models(device: torch.device, smoke: bool) -> list[tuple[str, nn.Module, Cal
     return out
 
 
-def _copies_only(pending, x, site):
+def _copies_only(pending, x, site, copy=False):
     """The path before values were kept by reference: every record copied into its arena."""
     return pending.add(x.detach() if x.requires_grad else x)[0]
 
