@@ -2,17 +2,17 @@
  * (picklehooks/capture/rows.py) does with the rows the hooks appended, in one C call:
  *
  *   configure_records(record, fields, dtype_name)
- *       record is picklehooks.capture.record.Record, fields the names of its 13 fields in the order below,
+ *       record is picklehooks.capture.record.Record, fields the names of its 14 fields in the order below,
  *       dtype_name the function naming a torch.dtype as records do ("float32").
  *   build_records(rows, n, rank) -> list
  *       a Record for each of rows[:n], each row the 11-tuple Log._add_tensor appends,
  *           (module, kind, path, call, step, shape, dtype, stats, src, tensor, live),
  *       built as the Python loop builds it:
  *           Record(module, kind, path, call, step, tuple(shape), dtype_name(dtype), tensor, None,
- *                  live, rank, None, src if stats is None else stats)
+ *                  live, rank, None, src if stats is None else stats, None)
  *       (tests/test_record_builder.py checks the two give equal records).
  *
- * Why C: reading a log builds one Record per row, and a dataclass's __init__ (13 assignments) is
+ * Why C: reading a log builds one Record per row, and a dataclass's __init__ (14 assignments) is
  * most of what reading costs; this fills the slots of a fresh instance directly. It can do that
  * because Record is a dataclass with slots and nothing but assignments in __init__ (no
  * __post_init__, no validation): configure_records() checks that every field is a plain writable
@@ -23,7 +23,7 @@
 
 #include <structmember.h>
 
-#define NFIELDS 13
+#define NFIELDS 14
 
 static PyTypeObject *RECORD;          /* picklehooks.capture.record.Record */
 static Py_ssize_t OFFSETS[NFIELDS];   /* of each field's slot in a Record, in the order above */
@@ -98,7 +98,7 @@ static PyObject *record_of(PyObject *row, PyObject *rank) {
     }
     PyObject *stats = item[7] == Py_None ? item[8] : item[7];
     PyObject *values[NFIELDS] = {item[0], item[1], item[2], item[3], item[4], shape, name,
-                                 item[9], Py_None, item[10], rank, Py_None, stats};
+                                 item[9], Py_None, item[10], rank, Py_None, stats, Py_None};
     for (int i = 0; i < NFIELDS; i++) *(PyObject **)((char *)record + OFFSETS[i]) = Py_NewRef(values[i]);
     Py_DECREF(shape);
     return record;

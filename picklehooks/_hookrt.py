@@ -121,6 +121,17 @@ def _compiled_idle() -> bool:
 
 
 
+def _call_begins(module, name: str, pre: bool) -> None:
+    """Tell the log recording here that a call of ``module`` runs its hooks (``pre``: its pre-hook), so
+    that it counts the call and finds where it came from (``picklehooks.capture.sources``). Not in a
+    checkpoint's recomputation, whose calls record nothing; not to a log of an earlier version."""
+    log = _active_log()
+    if log is not None and _graph_task_id() == -1:
+        begins = getattr(log, "_call_begins", None)
+        if begins is not None:
+            begins(module, name, pre)
+
+
 def _name_of(module) -> str:
     try:
         return module._picklehooks_name
@@ -145,6 +156,8 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
         return None
     name = _name_of(module)
     tracing = _tracing()
+    if not tracing:
+        _call_begins(module, name, True)
     if state_flags & _ops.VALUE:
         for kind, all_names in (("param", params), ("buffer", buffers)):
             for where, names, values in _by_owner(module, name, all_names):
@@ -342,6 +355,8 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
         _swaps.restore(module)
     if _VIEWS:  # hooked views, which this module or its caller may have changed in place since
         _views.rescue()
+    if _RECORDING:
+        _call_begins(module, _name_of(module), False)
     if flags & _INPUT_GRAD:  # (generated hooks pass it where grad_input is captured; views cover it now)
         flags &= ~_INPUT_GRAD
         if not flags:

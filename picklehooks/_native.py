@@ -289,7 +289,7 @@ def row_lane(*, forward_of: dict, sure: int, maybe: int, stats_bit: int, tensor_
 
 
 _RECORD_FIELDS = ("module", "kind", "path", "call", "step", "shape", "dtype", "tensor", "value", "live", "rank",
-                  "_stats", "_src")
+                  "_stats", "_src", "source")
 
 
 def record_builder(record: type, dtype_name):

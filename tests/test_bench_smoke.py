@@ -100,3 +100,10 @@ def test_instruction_bench_measures_what_it_says(tmp_path):
             assert proc.returncode == 0, proc.stderr
             if variant != "plain" and (_native.AVAILABLE or variant == "recording"):
                 assert proc.stdout.split() == [variant, str(count)], proc.stdout
+
+
+def test_sources_bench_prints_a_ratio_per_model():
+    """One round: each model's row has the three ratios."""
+    out = run("bench_sources.py", "--rounds", "1")
+    rows = re.findall(r"^\| (MLP|GPT-2)[^|]*\| ([\d.]+)x, [\d.]+x \| ([\d.]+)x, [\d.]+x \| ([\d.]+)x \|$", out, re.M)
+    assert [r[0] for r in rows][:1] == ["MLP"] and len(rows) >= 1, out

@@ -152,7 +152,7 @@ class Log(Exports, Rows):
         m, n = len(records), len(rows)  # an autograd thread may append meanwhile: keep what comes after
         if not m + n:
             return 0
-        columns, tensors = _table._columns(records[:m], rows[:n], self.rank)
+        columns, tensors = _table._columns(records[:m], rows[:n], self.rank, self._sources)
         self._sink.write(columns, tensors, self.step)
         del records[:m], rows[:n]
         # A fresh batch of pending copies: the old one's counts would size new groups for the whole run.

@@ -143,7 +143,12 @@ class Record:
     ``input output grad_input grad_output param buffer param_grad``,
     ``path`` the position inside a nested value (``""``, ``"0"``,
     ``"logits"``, ``"0/1"``), ``call`` which call of the module in this
-    log, ``step`` the log's step when recorded.
+    log, ``step`` the log's step when recorded. ``source``: where that call
+    came from, the line of code that called the module, then the module's
+    class and where it is defined:
+    ``"transformers/models/gpt2/modeling_gpt2.py:412 in GPT2MLP.forward
+    (NewGELUActivation, transformers/activations.py:56)"`` (see
+    :mod:`picklehooks.capture.sources`); ``None`` where it isn't known.
     """
 
     module: str
@@ -160,6 +165,7 @@ class Record:
     _stats: dict | None = dataclasses.field(default=None, repr=False)
     # Until read: the values computed in the hook, or a batched statistic's _PendingRow.
     _src: tuple | None = dataclasses.field(default=None, repr=False)
+    source: str | None = None
 
     @property
     def stats(self) -> dict | None:
@@ -203,6 +209,7 @@ class Record:
             "shape": list(self.shape) if self.shape is not None else None,
             "dtype": self.dtype,
             "value": self.value,
+            "source": self.source,
         }
         if self.rank is not None:
             row["rank"] = self.rank
@@ -214,7 +221,8 @@ class Record:
 def _record_from_row(row: dict, tensor: torch.Tensor | None) -> Record:
     shape = tuple(row["shape"]) if row["shape"] is not None else None
     rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
-                 dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor)
+                 dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor,
+                 source=row.get("source"))
     row = _renamed(row)  # a row of an older picklehooks: nan, inf
     if row.get("mean") is not None or row.get("n_nan") is not None:
         rec._stats = Stats(shape=shape, dtype=row["dtype"])

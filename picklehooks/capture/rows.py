@@ -33,6 +33,7 @@ from .logfile import dtype_name
 from .pairing import _FORWARD_OF, _MAYBE, _MAYBE_KEPT, _MAYBE_TRIM, _PAIRED, _SURE, CallPairing, _expects_grad
 from .pending import _Pending, _PendingRow
 from .record import Record, _ZerosIfNone
+from .sources import Sources
 
 # Log._add_tensor's common cases in one C call (see picklehooks._native.row_lane), or None.
 _add_row = _native.row_lane(sure=_SURE, maybe=_MAYBE, stats_bit=STATS, tensor_bit=TENSOR, sure_bit=GRAD_SURE,
@@ -51,11 +52,12 @@ def _current_rank() -> int | None:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
-class Rows(CallPairing):
+class Rows(CallPairing, Sources):
     """A log's write side: rows as the hooks add them, and the records built from them."""
 
     def __init__(self, *, step: int = 0, keep_graph: bool = False) -> None:
-        super().__init__()
+        CallPairing.__init__(self)
+        Sources.__init__(self)
         # What the hooks add: one tuple per record (see _add_tensor), built into Records when read.
         self._rows: list[tuple] = []
         self._records: list[Record] = []
@@ -72,6 +74,7 @@ class Rows(CallPairing):
         if isinstance(step, bool) or not isinstance(step, int):
             raise PicklehooksError(f"step={step!r}: give the step as an int")
         self._restart_calls()
+        self._restart_sources()
         self.step = step
 
     def _add_tensor(self, module: str, kind: str, path: str, x: torch.Tensor, flags: int) -> None:
@@ -151,13 +154,15 @@ class Rows(CallPairing):
         rows[-1] = (*row[:7], None, _ZerosIfNone(stats, (module, kind, path)), *row[9:])
 
     def _add_value(self, module: str, kind: str, path: str, value: Any) -> None:
-        self._records_now().append(Record(module, kind, path, self._next_call(module, kind, path), self.step,
-                                          value=repr(value), rank=self.rank))
+        call = self._next_call(module, kind, path)
+        self._records_now().append(Record(module, kind, path, call, self.step, value=repr(value), rank=self.rank,
+                                          source=self._sources.get((module, call))))
 
     def _records_now(self) -> list[Record]:
         """Build a Record for every row added since the last read; the records in memory."""
         records, rows = self._records, self._rows
         n = len(rows)  # a gradient hook on autograd's thread may append meanwhile: keep what comes after
+        start = len(records)
         if n and _build_records is not None:
             records += _build_records(rows, n, self.rank)
             del rows[:n]
@@ -170,4 +175,8 @@ class Rows(CallPairing):
                 append(Record(module, kind, path, call, step, tuple(shape), dtype_name(dtype), tensor, None, live,
                               rank, None, src if stats is None else stats))
             del rows[:n]
+        if n and self._sources:
+            sources = self._sources
+            for record in records[start:]:
+                record.source = sources.get((record.module, record.call))
         return records

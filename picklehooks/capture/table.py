@@ -15,14 +15,17 @@ from .record import _COUNTS, _NO_GRADIENT, STAT_NAMES, Record, _record_from_row,
 _NO_STATS = (None,) * len(STAT_NAMES)
 
 
-def _columns(records: list[Record], rows: list[tuple], rank: int | None) -> tuple[dict[str, list], dict]:
+def _columns(records: list[Record], rows: list[tuple], rank: int | None, sources: dict | None = None
+             ) -> tuple[dict[str, list], dict]:
     """Columns of a sink part (:data:`picklehooks.capture.sink.COLUMNS`) from Records and from compact rows
-    (the records first, as they were recorded first), and the kept tensors by row number."""
-    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:9]}
+    (the records first, as they were recorded first), and the kept tensors by row number. ``sources``:
+    the log's ``(module, call) -> source`` (see :mod:`picklehooks.capture.sources`), for the rows."""
+    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:10]}
     stats, tensors = [], {}
     for i, r in enumerate(records):
         for name, value in zip(columns, (r.module, r.kind, r.path, r.call, r.step,
-                                         None if r.shape is None else list(r.shape), r.dtype, r.value, r.rank)):
+                                         None if r.shape is None else list(r.shape), r.dtype, r.value, r.source,
+                                         r.rank)):
             columns[name].append(value)
         s = r.stats
         stats.append(_NO_STATS if s is None else tuple(s[name] for name in STAT_NAMES))
@@ -35,6 +38,8 @@ def _columns(records: list[Record], rows: list[tuple], rank: int | None) -> tupl
         columns["shape"] += shape  # torch.Size is a tuple, which pyarrow takes as a list
         columns["dtype"] += map(dtype_name, dtype)
         columns["value"] += [None] * len(rows)
+        get = (sources or {}).get
+        columns["source"] += [get((m, c)) for m, c in zip(module, call)]
         columns["rank"] += [rank] * len(rows)
         for s, pending in zip(row_stats, src):
             if s is None and pending is not None:

@@ -47,12 +47,21 @@ _FORWARD_KINDS = ("input", "output", "param", "buffer")
 class Comparison:
     """Per-record errors of log B against log A, and where they first diverge."""
 
-    rows: list[dict]  # module, kind, path, call, step, basis, max_abs, rel_err, sqnr_db, cosine, diverged, note
+    rows: list[dict]  # module, kind, path, call, step, source, basis, max_abs, rel_err, sqnr_db, cosine, diverged, note
     first_divergence: dict | None  # the first row with diverged=True, in log A's execution order
     missing: list[tuple]  # keys (module, kind, path, call) only in log A
     extra: list[tuple]  # keys only in log B
     basis: str  # "tensor", "stats" or "mixed": what the rows were computed from ("none": no rows)
     tol: float
+
+    def __str__(self) -> str:
+        """One line: where the logs first diverge (with the line of code that called that module), or that they agree."""
+        first = self.first_divergence
+        if first is None:
+            return f"no divergence above rel_err {self.tol:g} in {len(self.rows)} compared records"
+        where = f", {first['source']}" if first.get("source") else ""
+        return (f"first divergence: {first['module'] or '<root>'} {first['kind']} (call {first['call']}){where}: "
+                f"rel_err {first['rel_err']:.3g}")
 
 
 def _keyed(records: Iterable[Record], kinds: tuple[str, ...]) -> dict[tuple, Record]:
@@ -127,7 +136,8 @@ def compare(log_a: Log, log_b: Log, *, kinds: Iterable[str] = ("output",), tol: 
         rel = row["rel_err"]
         row["diverged"] = not rel <= tol  # NaN diverges too
         row.setdefault("note", None)
-        rows.append({"module": ra.module, "kind": ra.kind, "path": ra.path, "call": ra.call, "step": ra.step, **row})
+        rows.append({"module": ra.module, "kind": ra.kind, "path": ra.path, "call": ra.call, "step": ra.step,
+                     "source": ra.source if ra.source is not None else rb.source, **row})
     bases = {r["basis"] for r in rows}
     return Comparison(
         rows, next((r for r in rows if r["diverged"]), None),

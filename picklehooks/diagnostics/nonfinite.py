@@ -50,6 +50,13 @@ class NonfiniteReport:
     inputs: list[dict]  # {"path", **stats} for each input record of this module's same call
     params: list[dict]  # {"name", **stats} for each recorded parameter of that call
     note: str  # how to read it
+    source: str | None = None  # the line of code that called the module, and its class (Record.source)
+
+    def __str__(self) -> str:
+        """``first NaN: h.3.mlp.act output (call 0), .../modeling_gpt2.py:412 in GPT2MLP.forward (...)``, and the note."""
+        what = "NaN" if self.stats.get("n_nan") else "Inf" if self.stats.get("n_inf") else "non-finite value"
+        where = f", {self.source}" if self.source else ""
+        return f"first {what}: {self.module or '<root>'} {self.kind} (call {self.call}){where}: {self.note}"
 
 
 def _note(rec: Record, log: Log, inputs: list[dict]) -> str:
@@ -83,7 +90,7 @@ def first_nonfinite(log: Log) -> NonfiniteReport | None:
     params = [{"name": r.path, **stats_of(r)} for r in same_call if r.kind == "param" and stats_of(r)]
     return NonfiniteReport(rec.module, rec.kind, rec.path, rec.call, rec.step,
                            "forward" if rec.kind in _FORWARD else "backward", stats_of(rec), inputs, params,
-                           _note(rec, log, inputs))
+                           _note(rec, log, inputs), rec.source)
 
 
 def _nonfinite_tensor(value) -> bool:

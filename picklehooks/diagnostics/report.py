@@ -95,6 +95,8 @@ def _where(rec: Record) -> str:
     parts.append(f"call {rec.call}, step {rec.step}")
     if rec.rank is not None:
         parts.append(f"rank {rec.rank}")
+    if rec.source is not None:
+        parts.append(f"called at {_code(rec.source)}")
     return ", ".join(parts)
 
 

@@ -197,10 +197,12 @@ def dead_units(model, batches: Iterable, *, modules=None, unit_dim: int | None =
     a 1-D output; a torch.nn activation inside a transformer wants
     ``unit_dim=-1``). One row per layer: ``module, type, criterion,
     units``, ``dead``/``dead_frac`` or ``saturated``/``saturated_frac``,
-    ``indices`` (of those units), ``batches``.
+    ``indices`` (of those units), ``batches``, and ``sources``: the lines of
+    code that called the layer (``Record.source``; one per call site).
     """
     batches = batches_of(batches, "dead_units")
     alive: dict[str, torch.Tensor] = {}  # per module: has any sample shown this unit working?
+    sources: dict[str, list] = {}  # per module: where its calls came from (Record.source), first seen first
     n_batches = 0
     # A plain model is instrumented on exactly the activations chosen; an instrumented one is read
     # as it is (hooked() refuses a scripted or compiled model that carries no hooks).
@@ -229,6 +231,9 @@ def dead_units(model, batches: Iterable, *, modules=None, unit_dim: int | None =
                             f"{seen.numel()} in another; pass unit_dim= to choose the unit dimension")
                     seen = alive[rec.module] | seen
                 alive[rec.module] = seen
+                called = sources.setdefault(rec.module, [])
+                if rec.source is not None and rec.source not in called:
+                    called.append(rec.source)
             n_batches += 1  # the log (and its tensors) is dropped here: memory stays one batch's
     if n_batches == 0:
         raise PicklehooksError(f"dead_units got no batches; pass an iterable of batches, each {BATCH_FORMS}")
@@ -243,5 +248,5 @@ def dead_units(model, batches: Iterable, *, modules=None, unit_dim: int | None =
         rows.append({"module": name, "type": _short_type(types[name]),
                      "criterion": "never active" if key == "dead" else "always saturated",
                      "units": seen.numel(), key: len(indices), f"{key}_frac": len(indices) / seen.numel(),
-                     "indices": indices, "batches": n_batches})
+                     "indices": indices, "batches": n_batches, "sources": sources.get(name, [])})
     return rows

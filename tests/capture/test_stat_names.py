@@ -72,8 +72,8 @@ OLD_NAME = {new: old for old, new in RENAMED_STATS.items()}
 
 
 def old_row(row: dict) -> dict:
-    """A table row as an earlier picklehooks wrote it."""
-    return {OLD_NAME.get(k, k): v for k, v in row.items()}
+    """A table row as an earlier picklehooks wrote it (no source, which format 4 added)."""
+    return {OLD_NAME.get(k, k): v for k, v in row.items() if k != "source"}
 
 
 def test_names_are_the_kernels_renamed():
@@ -146,7 +146,7 @@ class TestOldFiles:
         recorded().save(tmp_path / "log")
         file = tmp_path / "log" / "records.json"
         document = json.loads(file.read_text())
-        assert document["version"] == 3 and document["stat_names"] == list(STAT_NAMES)
+        assert document["version"] == picklehooks.capture.logfile.VERSION and document["stat_names"] == list(STAT_NAMES)
         document.update(version=version, stat_names=OLD_STAT_NAMES, records=list(map(old_row, document["records"])))
         if version == 1:
             del document["tensors"]
@@ -182,11 +182,11 @@ class TestOldFiles:
         assert "nan" not in loaded.to_pandas().columns
 
     def test_appending_to_an_old_sink(self, tmp_path):
-        """Appending to a format-1 sink marks it format 2; its old and new parts read back alike."""
+        """Appending to a format-1 sink marks it the current format; its old and new parts read back alike."""
         self.make_old_sink(tmp_path / "run")
         recorded(sink=tmp_path / "run", append=True)
         manifest = json.loads((tmp_path / "run" / "_picklehooks.json").read_text())
-        assert manifest["version"] == 2 and "n_nan" in manifest["columns"] and "nan" not in manifest["columns"]
+        assert manifest["version"] == picklehooks.capture.sink.VERSION and "n_nan" in manifest["columns"] and "nan" not in manifest["columns"]
         loaded = picklehooks.Log.load(tmp_path / "run")
         assert len(loaded) == 2 * len(plain_counts())
         old, new = loaded.records[:len(plain_counts())], loaded.records[len(plain_counts()):]

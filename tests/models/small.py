@@ -90,6 +90,34 @@ def twice() -> nn.Module:
     return Twice()
 
 
+class Stage(nn.Module):
+    """A block that ``ThreePlaces`` calls in a loop, from one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.lin(x))
+
+
+class ThreePlaces(nn.Module):
+    """One ``nn.Identity`` called from three lines (one of them in a loop) and blocks called in a loop:
+    every call of a module has its own line of code (the sources' tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = nn.Identity()
+        self.stages = nn.ModuleList([Stage(), Stage()])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.same(x)
+        for stage in self.stages:
+            x = self.same(stage(x))
+        return self.head(self.same(x))
+
+
 def inputs(name: str) -> tuple:
     """Example inputs for each model (deterministic)."""
     g = torch.Generator().manual_seed(1)

@@ -46,10 +46,11 @@ def recorded_rows(**instrument_kwargs) -> tuple[Log, list[tuple]]:
     return log, rows
 
 
-def python_records(rows: list[tuple], rank, monkeypatch) -> list[Record]:
+def python_records(rows: list[tuple], rank, monkeypatch, sources: dict) -> list[Record]:
     log = Log()
     log._rows[:] = rows
     log.rank = rank
+    log._sources.update(sources)  # the recording log's: what each (module, call) was called from
     with monkeypatch.context() as patch:
         patch.setattr(rows_module, "_build_records", None)
         return list(log.records)
@@ -73,7 +74,7 @@ def assert_same(built: list[Record], expected: list[Record]) -> None:
 @pytest.mark.parametrize("mode", ["stats", "tensor", "both"])
 def test_builds_what_the_python_loop_builds(mode, monkeypatch):
     log, rows = recorded_rows(mode=mode)
-    expected = python_records(rows, None, monkeypatch)
+    expected = python_records(rows, None, monkeypatch, log._sources)
     built = log.records
     assert not log._rows
     assert_same(built, expected)
@@ -90,7 +91,7 @@ def test_rank_and_live_values(monkeypatch):
     rows = list(log._rows)
     assert any(row[10] is not None for row in rows), "keep_graph kept no live value"
     log.rank = 3
-    expected = python_records(rows, 3, monkeypatch)
+    expected = python_records(rows, 3, monkeypatch, log._sources)
     built = log.records
     assert_same(built, expected)
     assert all(r.rank == 3 for r in built) and any(r.live is not None for r in built)
@@ -180,7 +181,7 @@ def test_configure_refuses_types_without_plain_slots():
         _native._speedups.configure_records(record=Plain, fields=fields, dtype_name=rows_module.dtype_name)
 
     class Props:
-        __slots__ = fields[:-1]
+        __slots__ = tuple(f for f in fields if f != "_src")
         _src = property(lambda self: None)
 
     with pytest.raises(TypeError, match="'_src' is not a writable object slot"):
