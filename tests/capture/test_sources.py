@@ -297,3 +297,24 @@ def test_find_nonfinite_and_the_report_name_the_line(tmp_path):
         written = write_report(tmp_path / "log", tmp_path / "report")
     text = next(p for p in written if p.suffix == ".md").read_text()
     assert f"tests/capture/test_sources.py:{line}" in text
+
+
+class _TwoActs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(4, 8), nn.ReLU()
+
+    def forward(self, x):
+        h = self.act(self.lin(x))
+        return self.act(-h)  # the same ReLU, from a second line
+
+
+def test_dead_units_lists_each_line_that_called_the_layer():
+    from picklehooks.diagnostics import dead_units
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 4)
+    want = _expected(_TwoActs(), lambda m: m(x))
+    (row,) = dead_units(_TwoActs(), [(x,)], modules=["act"])
+    assert row["sources"] == [want[("act", 0)], want[("act", 1)]]
+    assert want[("act", 0)] != want[("act", 1)]
