@@ -264,8 +264,42 @@ def graph_site() -> int:
 # calls the function while tracing and puts the number in the graph as a constant, with no guard.
 graph_site._dynamo_marked_constant = True
 
+#: Site -> the Python stack Dynamo was tracing when :func:`compiled_site` drew it, innermost first:
+#: ``(code, line, globals, whether the frame's self is a module, the hooked module's class or None)``
+#: per frame (classes, not modules: a model must stay free to go). For this process's compiled
+#: graphs only; a log turns it into the record's source (picklehooks.capture.sources).
+SITE_FRAMES: dict[int, tuple] = {}
+
+
+def compiled_site() -> int:
+    """:func:`graph_site`, remembering where in the model's code the value being traced is (a
+    ``torch.compile`` graph's records then get their ``source``, as eager mode finds it)."""
+    site = graph_site()
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx().output.current_tx  # the innermost frame being traced
+        frames = []
+        while tx is not None:
+            here, module = tx.symbolic_locals.get("self"), tx.symbolic_locals.get("module")
+            frames.append((tx.f_code, tx.lineno, tx.f_globals, isinstance(getattr(here, "value", None), torch.nn.Module),
+                           type(module.value) if isinstance(getattr(module, "value", None), torch.nn.Module) else None))
+            tx = tx.parent
+        SITE_FRAMES[site] = tuple(frames)
+    except Exception:  # noqa: BLE001 - Dynamo's internals moved: the records get no source, nothing else changes
+        pass
+    return site
+
+
+compiled_site._dynamo_marked_constant = True
+
 
 def _note_site(log, module: str, kind: str, path: str, flags: int) -> None:
+    frames = SITE_FRAMES.get(flags >> _SITE_SHIFT)
+    if frames is not None:
+        note = getattr(log, "_graph_call_site", None)  # (a host log of an earlier version: none)
+        if note is not None:
+            note(module, kind, path, frames)
     waiting = log._awaiting_grad.get((module, kind, path))
     if not waiting:
         return  # no gradient awaited for this value: nothing to pair

@@ -132,6 +132,14 @@ def _call_begins(module, name: str, pre: bool) -> None:
             begins(module, name, pre)
 
 
+def _state_site() -> int:
+    """Site bits for a ``record_state`` op a ``torch.compile`` graph calls (its records' source), else 0."""
+    compiled_site = getattr(_ops, "compiled_site", None)
+    if compiled_site is None or not _is_compiling() or not _EXPORT_KNOWN or _is_exporting():
+        return 0
+    return compiled_site() << _ops._SITE_SHIFT
+
+
 def _name_of(module) -> str:
     try:
         return module._picklehooks_name
@@ -168,7 +176,7 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
                         if v is not None:
                             _record(v, where, kind, n, state_flags)
                 elif tracing:
-                    _record_state(values, where, kind, ",".join(names), state_flags)
+                    _record_state(values, where, kind, ",".join(names), state_flags | _state_site())
                 else:
                     log = None if _recomputing() else _state.active()
                     for n, v in zip(names, values):

@@ -77,7 +77,7 @@ from ._deliver import (  # noqa: F401 - re-exported: generated text, archives an
     COUNTED, GRAD, GRAD_NONE, GRAD_SURE, GUARD, INPUT_GRAD, NUMBER, PARAM_GRAD, RANGE_PREFIX, STATS, TENSOR, VALUE,
     _FSDP_STATE, _MODULES, _OWNERS_ATTR, _PLAIN, _RANGES, _SITE_CALLS_KEPT, _SITE_MODULUS, _SITE_SHIFT, _SITES,
     COMPILED, _WATCHED, _ZEROED, NonfiniteError, _active_log, _deliver, _deliver_grad, _note_site, _pair_by_site,
-    check_finite, graph_site, range_enter, range_exit, record_tensor, unwatch_grads, unzero_grads, watch_grads,
+    SITE_FRAMES, check_finite, compiled_site, graph_site, range_enter, range_exit, record_tensor, unwatch_grads, unzero_grads, watch_grads,
     zero_grads)
 
 _NAMESPACE = "picklehooks"
@@ -209,9 +209,12 @@ def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str,
 
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
     # Schemas have no list-of-str type, so the names arrive comma-joined.
+    log = _active_log() if flags >> _SITE_SHIFT else None
     for name, value in zip(names.split(","), values):
         if value is not None:
             _deliver(value, module, kind, name, flags)
+            if log is not None:
+                _note_site(log, module, kind, name, flags)
 
 
 def _watch_kernel(params: list, module: str, names: str, flags: int) -> None:

@@ -47,6 +47,7 @@ _range_exit = torch.ops.picklehooks.range_exit
 
 # None under an older picklehooks on the host of a torch.package archive made by this version.
 _graph_site = getattr(_ops, "graph_site", None)
+_compiled_site = getattr(_ops, "compiled_site", None)
 _grad_only_tap = getattr(getattr(_ops, "_GradOnlyTap", None), "apply", None)
 # Whether torch tells export from compile (see _is_exporting): only then may a compiled graph's tap
 # be something an exported program would not keep.
@@ -333,11 +334,14 @@ def _traced_tap(x, name: str, kind: str, path: str, flags: int):
     """
     if _is_compiling() and _EXPORT_KNOWN and not _is_exporting():
         flags |= _COMPILED  # a buffer Inductor may reuse; zeros where no gradient came (see _ops.COMPILED)
+        if _compiled_site is not None and isinstance(x, torch.Tensor):
+            # A site for the value's record and tap ops: its gradient's pairing, and its source.
+            flags |= _compiled_site() << _ops._SITE_SHIFT
     if flags & _ops.GRAD and _is_compiling() and isinstance(x, torch.Tensor):
         # Only tracing knows whether this value gets a gradient (a no_grad block inside the
         # model): the compiled forward runs without autograd. Tell the kernels, for pairing.
         flags |= _ops.GRAD_SURE if x.requires_grad else _ops.GRAD_NONE
-        if x.requires_grad and _graph_site is not None:
+        if x.requires_grad and _graph_site is not None and not flags >> _ops._SITE_SHIFT:
             # The record op and the tap op share a site, so that the gradient finds this call
             # however the compiled backward is ordered (see _ops.graph_site).
             flags |= _graph_site() << _ops._SITE_SHIFT

@@ -25,11 +25,19 @@ the directory it is imported from), so a model loaded with ``torch.load`` in ano
 or from a ``torch.package`` archive (whose modules are ``<torch_package_0>.…``) names the same
 files as the model it was saved from; a script run as ``__main__`` is named by its file name.
 
-Limits: only eager mode finds sources so far (a model loaded with ``torch.load`` or from a
-``torch.package`` archive runs in eager mode). A module called from code that FX, TorchScript,
-``torch.compile`` or ``torch.export`` generated has no source (``None``): FX's generated
-``forward`` is not the model's code, and the graph forms don't run the hooks as Python. A
-module called recursively (from inside its own call) may get its calls' sources swapped.
+**torch.compile.** Dynamo runs the hooks as Python while it traces: each value a graph records
+gets a site number (:func:`picklehooks._ops.compiled_site`, a constant Dynamo calls while
+tracing), which remembers the stack Dynamo was tracing (its translators' code, line and
+globals). When the graph's op records the value, the log turns that stack into the record's
+source (:func:`traced_source`, by the rule the live walk follows), once per ``(module, call)``.
+
+Limits: eager mode (which includes a model loaded with ``torch.load`` or from a
+``torch.package`` archive) and ``torch.compile`` graphs, in the process that compiled them,
+find sources. Records made by ``jit.script``, ``jit.trace`` and ``torch.export`` programs,
+whose ops carry no room for a source, and calls from FX's generated ``forward`` (not the
+model's code) have none (``None``). A module called recursively (from inside its own call) may
+get its calls' sources swapped; under ``torch.compile``, where Inductor can reorder a graph's
+record ops (see the limitations page), so may a module called twice.
 """
 
 from __future__ import annotations
@@ -46,10 +54,12 @@ import torch
 __all__ = ["call_site", "describe_class"]
 
 _MODULE_PY = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
+# torch.compile's wrappers, between a compiled model (OptimizedModule) and the line that called it.
+_DYNAMO_DIR = os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__))) + os.sep + "_dynamo" + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The frames between a module's caller and this file: nn.Module's call machinery, the hooks' hub,
 # the hook runtime (also its copy in a torch.package archive, "<torch_package_0>.picklehooks/...").
-_OWN = {"picklehooks/_hookrt.py", "picklehooks/capture/sources.py"}
+_OWN = {"picklehooks/_hookrt.py", "picklehooks/_taps.py", "picklehooks/capture/sources.py"}
 _OWN_PATHS = {os.path.normcase(os.path.join(_PACKAGE_DIR, *name.split("/")[1:])) for name in _OWN}
 _MANGLED = re.compile(r"^<torch_package_\d+>\.?")
 # Code objects not to stop at, by file name, cached.
@@ -65,7 +75,7 @@ def _skipped(filename: str) -> bool:
         plain = _MANGLED.sub("", filename)
         path = os.path.normcase(os.path.abspath(filename)) if not filename.startswith("<") else filename
         skip = _SKIP[filename] = (path == _MODULE_PY or path in _OWN_PATHS or plain in _OWN
-                                  or plain.startswith("<picklehooks-generated>"))
+                                  or plain.startswith("<picklehooks-generated>") or path.startswith(_DYNAMO_DIR))
     return skip
 
 
@@ -99,17 +109,33 @@ def call_site(depth: int = 1) -> str | None:
         frame = frame.f_back
     if frame is None:
         return None
-    code, line = frame.f_code, frame.f_lineno
+    return _site_text(frame.f_code, frame.f_lineno, frame.f_globals)
+
+
+def _site_text(code, line: int, module_globals: dict) -> str | None:
     site = _SITES.get((code, line))
     if site is None:
         if code.co_filename.startswith("<") and not _MANGLED.match(code.co_filename):
-            site = None  # generated code (exec, a notebook cell's is named "<ipython-input-...>")
-            if code.co_filename.startswith("<ipython-input"):
-                site = f"{code.co_filename}:{line} in {code.co_qualname}"
+            # generated code (exec, FX's forward); a notebook cell is named "<ipython-input-...>"
+            site = f"{code.co_filename}:{line} in {code.co_qualname}" if code.co_filename.startswith(
+                "<ipython-input") else None
         else:
-            site = f"{_file_name(code, frame.f_globals.get('__name__'))}:{line} in {code.co_qualname}"
+            site = f"{_file_name(code, module_globals.get('__name__'))}:{line} in {code.co_qualname}"
         _SITES[(code, line)] = site
     return site
+
+
+def traced_source(frames: tuple) -> str | None:
+    """The source of a value a ``torch.compile`` graph records, from the stack Dynamo was tracing
+    (:data:`picklehooks._ops.SITE_FRAMES`: innermost first, each ``(code, line, globals, self is a
+    module, the hooked module's class)``), by the rule :func:`call_site` walks a live stack with."""
+    cls = next((c for *_, c in frames if c is not None), None)
+    for code, line, module_globals, own_call, _ in frames:
+        if _skipped(code.co_filename) or (own_call and code.co_name == "__call__"):
+            continue
+        site = _site_text(code, line, module_globals)
+        return None if site is None or cls is None else f"{site} ({describe_class(cls)})"
+    return None
 
 
 def describe_class(cls: type) -> str:
@@ -195,5 +221,15 @@ class Sources:
             site = call_site(2)
             self._sources[key] = None if site is None else f"{site} ({describe_class(type(module))})"
 
-    def _source_of(self, name: str, call: int) -> str | None:
-        return self._sources.get((name, call))
+    def _graph_call_site(self, module: str, kind: str, path: str, frames: tuple) -> None:
+        """A ``torch.compile`` graph's op just recorded (or counted) a value of ``module``: give the
+        record's ``(module, call)`` the source tracing saw (called by the op's kernel, by name)."""
+        rows = self._rows
+        row = rows[-1] if rows else None
+        if row is not None and row[0] == module and row[1] == kind and row[2] == path:
+            call = row[3]
+        else:  # counted without a row (a gradient-only tap), or read meanwhile
+            call = self._calls.get((module, kind, path), 1) - 1
+        key = (module, call)
+        if key not in self._sources:
+            self._sources[key] = traced_source(frames)

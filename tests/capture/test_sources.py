@@ -318,3 +318,40 @@ def test_dead_units_lists_each_line_that_called_the_layer():
     (row,) = dead_units(_TwoActs(), [(x,)], modules=["act"])
     assert row["sources"] == [want[("act", 0)], want[("act", 1)]]
     assert want[("act", 0)] != want[("act", 1)]
+
+
+@pytest.mark.parametrize("name", ["three_places", "gpt2"])
+def test_torch_compile_records_the_sources_eager_records(name):
+    """``torch.compile(fullgraph=True)``: the submodules' records (in the graph) get the source tracing
+    saw, the model's own (its hooks run in eager mode) the line that called the compiled model."""
+    from tests.testutils import transformed
+
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+        from tests.models import hf
+
+        batch = hf.inputs("gpt2")
+        build, capture = (lambda: hf.build("gpt2")), ("input", "output", "grad_output")
+
+        def step(model):
+            hf.step_loss(model(**batch)).backward()
+    else:
+        build, capture, step = small.ThreePlaces, "all", _three_places_step
+    torch.manual_seed(0)
+    want = _expected(build(), step)
+    sources = {}
+    for form in ("eager", "compile"):
+        torch.manual_seed(0)
+        model = build()
+        picklehooks.instrument(model, modules=["", "*"], capture=capture)
+        run = transformed(model, form, ())
+        for _ in range(2):  # and the cached graph's
+            with picklehooks.record() as log:
+                step(run)
+        sources[form] = _sources_by_key(log)
+        if form == "compile":  # tensor records: a graph records non-tensor inputs (None, flags) nowhere
+            assert set(sources["compile"]) == {r.key for r in eager_records if r.shape is not None}
+        else:
+            eager_records = log.records
+        _check(log, want)
+    assert {k: sources["eager"][k] for k in sources["compile"]} == sources["compile"]
