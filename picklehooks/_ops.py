@@ -77,8 +77,8 @@ from ._deliver import (  # noqa: F401 - re-exported: generated text, archives an
     COUNTED, GRAD, GRAD_NONE, GRAD_SURE, GUARD, INPUT_GRAD, NUMBER, PARAM_GRAD, RANGE_PREFIX, STATS, TENSOR, VALUE,
     _FSDP_STATE, _MODULES, _OWNERS_ATTR, _PLAIN, _RANGES, _SITE_CALLS_KEPT, _SITE_MODULUS, _SITE_SHIFT, _SITES,
     COMPILED, _WATCHED, _ZEROED, NonfiniteError, _active_log, _deliver, _deliver_grad, _note_site, _pair_by_site,
-    SITE_FRAMES, check_finite, compiled_site, graph_site, range_enter, range_exit, record_tensor, unwatch_grads, unzero_grads, watch_grads,
-    zero_grads)
+    SITE_FRAMES, check_finite, compiled_site, graph_site, range_enter, range_exit, record_tensor, unwatch_grads,
+    unzero_grads, watch_grads, zero_grads)
 
 _NAMESPACE = "picklehooks"
 
