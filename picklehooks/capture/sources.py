@@ -128,7 +128,18 @@ def _site_text(code, line: int, module_globals: dict) -> str | None:
 def traced_source(frames: tuple) -> str | None:
     """The source of a value a ``torch.compile`` graph records, from the stack Dynamo was tracing
     (:data:`picklehooks._ops.SITE_FRAMES`: innermost first, each ``(code, line, globals, self is a
-    module, the hooked module's class)``), by the rule :func:`call_site` walks a live stack with."""
+    module, the hooked module's class)``), by the rule :func:`call_site` walks a live stack with.
+    Once per stack: the text is kept by the tuple's identity (the runtime keeps every tuple)."""
+    key = id(frames)
+    if key not in _TRACED:
+        _TRACED[key] = _traced_text(frames)
+    return _TRACED[key]
+
+
+_TRACED: dict[int, str | None] = {}
+
+
+def _traced_text(frames: tuple) -> str | None:
     cls = next((c for *_, c in frames if c is not None), None)
     for code, line, module_globals, own_call, _ in frames:
         if _skipped(code.co_filename) or (own_call and code.co_name == "__call__"):
@@ -136,6 +147,34 @@ def traced_source(frames: tuple) -> str | None:
         site = _site_text(code, line, module_globals)
         return None if site is None or cls is None else f"{site} ({describe_class(cls)})"
     return None
+
+
+_MISSING = object()
+_TEXTS: dict[tuple, str | None] = {}  # (code, line, module class) -> the whole source text
+
+
+def caller_source(cls: type, depth: int = 1) -> str | None:
+    """The source text of a call of a module of class ``cls`` whose hook is running: :func:`call_site`
+    and :func:`describe_class`, kept per (code, line, class). About a µs: a log that never starts a
+    step counts calls on and asks for every new call's (``depth``: frames to skip, as call_site's)."""
+    frame = sys._getframe(depth + 1)
+    skip = _SKIP
+    while frame is not None:
+        code = frame.f_code
+        skipped = skip.get(code.co_filename)
+        if skipped is None:
+            skipped = _skipped(code.co_filename)
+        if not skipped and not (code.co_name == "__call__" and _own_call(frame)):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    key = (code, frame.f_lineno, cls)
+    text = _TEXTS.get(key, _MISSING)
+    if text is _MISSING:
+        site = _site_text(code, frame.f_lineno, frame.f_globals)
+        text = _TEXTS[key] = None if site is None else f"{site} ({describe_class(cls)})"
+    return text
 
 
 def describe_class(cls: type) -> str:
@@ -218,8 +257,7 @@ class Sources:
         invocations[name] = call + 1
         key = (name, call)
         if key not in self._sources:
-            site = call_site(2)
-            self._sources[key] = None if site is None else f"{site} ({describe_class(type(module))})"
+            self._sources[key] = caller_source(type(module), 2)
 
     def _graph_call_site(self, module: str, kind: str, path: str, frames: tuple) -> None:
         """A ``torch.compile`` graph's op just recorded (or counted) a value of ``module``: give the

@@ -135,8 +135,8 @@ def test_a_log_file_with_a_source_that_is_no_text_is_refused(tmp_path):
 def test_a_training_loop_finds_each_call_site_once(monkeypatch):
     """The steady state walks no stack: each (module, call) is found once, then looked up."""
     walks = []
-    real = _sources.call_site
-    monkeypatch.setattr(_sources, "call_site", lambda depth=1: walks.append(1) or real(depth + 1))
+    real = _sources.caller_source
+    monkeypatch.setattr(_sources, "caller_source", lambda cls, depth=1: walks.append(1) or real(cls, depth + 1))
     torch.manual_seed(0)
     model = small.ThreePlaces()
     picklehooks.instrument(model, capture=("output",))
