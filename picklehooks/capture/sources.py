@@ -51,7 +51,7 @@ import sys
 
 import torch
 
-__all__ = ["call_site", "describe_class"]
+__all__ = ["caller_source", "describe_class", "traced_source"]
 
 _MODULE_PY = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
 # torch.compile's wrappers, between a compiled model (OptimizedModule) and the line that called it.
@@ -100,18 +100,6 @@ def _own_call(frame) -> bool:
     return frame.f_code.co_name == "__call__" and isinstance(frame.f_locals.get("self"), torch.nn.Module)
 
 
-def call_site(depth: int = 1) -> str | None:
-    """``"file:line in function"`` of the code that called the module whose hook is running, or ``None``.
-
-    ``depth``: frames to skip first (this function's caller is 1)."""
-    frame = sys._getframe(depth)
-    while frame is not None and (_skipped(frame.f_code.co_filename) or _own_call(frame)):
-        frame = frame.f_back
-    if frame is None:
-        return None
-    return _site_text(frame.f_code, frame.f_lineno, frame.f_globals)
-
-
 def _site_text(code, line: int, module_globals: dict) -> str | None:
     site = _SITES.get((code, line))
     if site is None:
@@ -128,7 +116,7 @@ def _site_text(code, line: int, module_globals: dict) -> str | None:
 def traced_source(frames: tuple) -> str | None:
     """The source of a value a ``torch.compile`` graph records, from the stack Dynamo was tracing
     (:data:`picklehooks._ops.SITE_FRAMES`: innermost first, each ``(code, line, globals, self is a
-    module, the hooked module's class)``), by the rule :func:`call_site` walks a live stack with.
+    module, the hooked module's class)``), by the rule :func:`caller_source` walks a live stack with.
     Once per stack: the text is kept by the tuple's identity (the runtime keeps every tuple)."""
     key = id(frames)
     if key not in _TRACED:
@@ -154,9 +142,10 @@ _TEXTS: dict[tuple, str | None] = {}  # (code, line, module class) -> the whole 
 
 
 def caller_source(cls: type, depth: int = 1) -> str | None:
-    """The source text of a call of a module of class ``cls`` whose hook is running: :func:`call_site`
-    and :func:`describe_class`, kept per (code, line, class). About a µs: a log that never starts a
-    step counts calls on and asks for every new call's (``depth``: frames to skip, as call_site's)."""
+    """The source text of a call of a module of class ``cls`` whose hook is running: the caller's
+    ``"file:line in function"`` and :func:`describe_class`, kept per (code, line, class). About a
+    µs: a log that never starts a step counts calls on and asks for every new call's. ``depth``:
+    frames to skip first (this function's caller is 1)."""
     frame = sys._getframe(depth + 1)
     skip = _SKIP
     while frame is not None:
