@@ -13,12 +13,20 @@ step each per round, after a warm-up step each; the medians of the per-step time
 the CPU this thread used, beside wall clock) are printed as ratios to the plain model's. Models:
 the logging bench's MLP (36 modules: small matrices, where per-call costs show most) and a
 GPT-2-sized model from a config (2 layers, n_embd 64; skipped without ``transformers``).
+
+A second table: programs that ``jit.trace`` and ``torch.export`` made of the instrumented MLP,
+whose graphs carry a ``picklehooks::call_site`` op per module call, against the same programs
+traced without those ops (the hook runtime's op handle set to None while tracing: what they
+cost before sources), idle and recording, forward+backward, as ratios to the program made
+of the plain MLP.
+
 ``torch.set_num_threads(1)``; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import os
@@ -57,6 +65,7 @@ def _timed(step) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--no-traced", action="store_true", help="skip the jit.trace and torch.export table")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"Machine: {cpu_model()}, torch {torch.__version__}, 1 thread; {args.rounds} interleaved rounds, "
@@ -102,6 +111,52 @@ def main() -> None:
         print(f"| {label} | {cpu['without'] / cpu['plain']:.3f}x, {wall['without'] / wall['plain']:.3f}x "
               f"| {cpu['with'] / cpu['plain']:.3f}x, {wall['with'] / wall['plain']:.3f}x "
               f"| {cpu['with'] / cpu['without']:.3f}x |")
+    if not args.no_traced:
+        traced_forms(args.rounds)
+
+
+def _program(form: str, model, x):
+    if form == "jit.trace":
+        return torch.jit.trace(model, (x,))
+    return torch.export.export(model, (x,)).module()
+
+
+def traced_forms(rounds: int) -> None:
+    """The second table (see the module docstring)."""
+    print("\n| program (MLP, forward+backward) | idle, without call sites / plain | idle, with / plain "
+          "| recording, without / plain | recording, with / plain | with / without, recording (thread) |")
+    print("|---|---|---|---|---|---|")
+    model, x = make_mlp()
+    for form in ("jit.trace", "torch.export"):
+        programs = {"plain": _program(form, copy.deepcopy(model), x)}
+        for sources in (False, True):
+            hooked = copy.deepcopy(model)
+            picklehooks.instrument(hooked, capture="all")
+            real, _hookrt._call_site = _hookrt._call_site, (_hookrt._call_site if sources else None)
+            try:
+                programs["with" if sources else "without"] = _program(form, hooked, x)
+            finally:
+                _hookrt._call_site = real
+
+        def step(program, log):
+            if log is not None:
+                log.begin_step(0)
+            program(x).sum().backward()
+
+        times: dict[tuple, list] = {}
+        with picklehooks.record() as log:
+            for name, program in programs.items():
+                step(program, log)  # warm-up
+        for recording in (False, True):
+            for _ in range(rounds):
+                with picklehooks.record() if recording else contextlib.nullcontext() as log:
+                    for name, program in programs.items():
+                        times.setdefault((name, recording), []).append(_timed(lambda p=program: step(p, log))[1])
+        cpu = {k: statistics.median(v) for k, v in times.items()}
+        idle = [cpu[(n, False)] / cpu[("plain", False)] for n in ("without", "with")]
+        busy = [cpu[(n, True)] / cpu[("plain", True)] for n in ("without", "with")]
+        print(f"| {form} | {idle[0]:.3f}x | {idle[1]:.3f}x | {busy[0]:.3f}x | {busy[1]:.3f}x "
+              f"| {cpu[('with', True)] / cpu[('without', True)]:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import threading
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _shards, _state
+from . import _shards, _sites, _state
 from ._shim import PicklehooksError
 
 VALUE, GRAD, STATS, TENSOR = 1, 2, 4, 8
@@ -275,19 +275,9 @@ def compiled_site() -> int:
     """:func:`graph_site`, remembering where in the model's code the value being traced is (a
     ``torch.compile`` graph's records then get their ``source``, as eager mode finds it)."""
     site = graph_site()
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx().output.current_tx  # the innermost frame being traced
-        frames = []
-        while tx is not None:
-            here, module = tx.symbolic_locals.get("self"), tx.symbolic_locals.get("module")
-            frames.append((tx.f_code, tx.lineno, tx.f_globals, isinstance(getattr(here, "value", None), torch.nn.Module),
-                           type(module.value) if isinstance(getattr(module, "value", None), torch.nn.Module) else None))
-            tx = tx.parent
-        SITE_FRAMES[site] = tuple(frames)
-    except Exception:  # noqa: BLE001 - Dynamo's internals moved: the records get no source, nothing else changes
-        pass
+    frames = _sites.dynamo_frames()
+    if frames is not None:
+        SITE_FRAMES[site] = frames
     return site
 
 

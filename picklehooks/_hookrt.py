@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from . import _ops, _shim, _state, _swaps, _taps, _views
+from . import _ops, _shim, _sites, _state, _swaps, _taps, _views
 from ._swaps import SWAPPED as _SWAPPED
 from ._views import VIEWS as _VIEWS
 from ._shim import PicklehooksError
@@ -132,6 +132,33 @@ def _call_begins(module, name: str, pre: bool) -> None:
             begins(module, name, pre)
 
 
+# None under an older picklehooks on the host of a torch.package archive made by this version.
+_call_site = getattr(torch.ops.picklehooks, "call_site", None)
+
+
+def _trace_call_site(module, name: str, pre: bool) -> None:
+    """In a graph that ``jit.trace``, FX or ``torch.export`` traces, say where this call of ``module``
+    comes from: a ``call_site`` op, once per call (its pre-hook's, else its forward hook's; see
+    :mod:`picklehooks._sites`). ``torch.compile``'s values carry their sites themselves."""
+    if _call_site is None:
+        return
+    if _dynamo_compiling():
+        if not (_EXPORT_KNOWN and _is_exporting()):
+            return
+        site = _sites.dynamo_call_site(name, pre)  # a constant, which Dynamo computes while tracing
+    else:
+        site = _sites.trace_call_site(module, name, pre)
+    if site is None:
+        return
+    if not _dynamo_compiling() and _FX_SYMBOLIC():
+        # An op without a Proxy argument would run now instead of joining the graph: add the node.
+        tracer = _sites.fx_tracer()
+        if tracer is not None:
+            tracer.create_proxy("call_function", _call_site.default, (name, *site), {})
+        return
+    _call_site(name, *site)
+
+
 def _state_site() -> int:
     """Site bits for a ``record_state`` op a ``torch.compile`` graph calls (its records' source), else 0."""
     compiled_site = getattr(_ops, "compiled_site", None)
@@ -166,6 +193,8 @@ def pre(module, inputs: tuple, flags: int, state_flags: int, params: tuple, buff
     tracing = _tracing()
     if not tracing:
         _call_begins(module, name, True)
+    else:
+        _trace_call_site(module, name, True)
     if state_flags & _ops.VALUE:
         for kind, all_names in (("param", params), ("buffer", buffers)):
             for where, names, values in _by_owner(module, name, all_names):
@@ -355,9 +384,11 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     if _dynamo_compiling():
         if not flags & _GUARD and _compiled_idle():
             return None
+        _trace_call_site(module, _name_of(module), False)
         return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
     if _compiler._is_compiling_flag or _fx._is_fx_tracing_flag or _is_jit_tracing():
         # _tracing() (see _dynamo_compiling); first, as in skip()
+        _trace_call_site(module, _name_of(module), False)
         return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
     if _SWAPPED:  # the caller's tensors, which the pre-hook replaced by views in its containers
         _swaps.restore(module)

@@ -15,6 +15,11 @@ in-place modules and ``a is b`` behave as without picklehooks.
   parameters or buffers (``names`` comma-joined).
 * ``picklehooks::watch_one(param, module, name, flags)``: the same for one
   parameter, as ``torch.jit.trace`` records it.
+* ``picklehooks::call_site(module, site, cls)``: a call of ``module`` begins, from the line
+  ``site`` (``"file:line in function"``; empty: the line that calls the program, found when it
+  runs), of a module whose class is ``cls`` (``"Class, file:line"``): what ``jit.trace``, FX and
+  ``torch.export`` graphs say once per module call, so that records name their source
+  (:mod:`picklehooks._sites`).
 * ``picklehooks::active(flags) -> bool``: whether any log records; a scripted
   hook returns at once when it doesn't. Its kernel is C (``csrc/kernels.c`` in ``picklehooks._speedups``, so
   TorchScript asks without entering Python) where that extension is built.
@@ -217,6 +222,14 @@ def _record_state_kernel(values: list, module: str, kind: str, names: str, flags
                 _note_site(log, module, kind, name, flags)
 
 
+def _call_site_kernel(module: str, site: str, cls: str) -> None:
+    log = _active_log()
+    if log is not None:
+        note = getattr(log, "_call_site", None)  # (a host log of an earlier version: none)
+        if note is not None:
+            note(module, site, cls)
+
+
 def _watch_kernel(params: list, module: str, names: str, flags: int) -> None:
     watch_grads(module, names.split(","), params, flags)
 
@@ -243,6 +256,8 @@ _EFFECT_OPS = {
                      "ScalarType dtype) -> ()", _record_stats_kernel),
     "record_state": ("record_state(Tensor?[] values, str module, str kind, str names, int flags) -> ()",
                      _record_state_kernel),
+    # Where a traced program calls a module from (see picklehooks._sites): once per call.
+    "call_site": ("call_site(str module, str site, str cls) -> ()", _call_site_kernel),
     "watch": ("watch(Tensor?[] params, str module, str names, int flags) -> ()", _watch_kernel),
     # One parameter: what torch.jit.trace records (it can't take a Tensor?[] argument).
     "watch_one": ("watch_one(Tensor param, str module, str name, int flags) -> ()", _watch_one_kernel),

@@ -103,7 +103,9 @@ def test_instruction_bench_measures_what_it_says(tmp_path):
 
 
 def test_sources_bench_prints_a_ratio_per_model():
-    """One round: each model's row has the three ratios."""
+    """One round: each model's row has the three ratios; each traced form's row its five."""
     out = run("bench_sources.py", "--rounds", "1")
     rows = re.findall(r"^\| (MLP|GPT-2)[^|]*\| ([\d.]+)x, [\d.]+x \| ([\d.]+)x, [\d.]+x \| ([\d.]+)x \|$", out, re.M)
     assert [r[0] for r in rows][:1] == ["MLP"] and len(rows) >= 1, out
+    traced = re.findall(r"^\| (jit\.trace|torch\.export) \|(?: [\d.]+x \|){5}$", out, re.M)
+    assert traced == ["jit.trace", "torch.export"], out

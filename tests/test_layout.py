@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "picklehooks"
 
 # The pinned runtime: saved files, generated hook text and torch.package archives name these
 # modules, so they never move (see docs/contract.md). They import only each other.
-PINNED = {"_shim", "_version", "_compat", "_state", "_shards", "_stats", "_native", "_deliver", "_ops", "_taps", "_views", "_swaps",
+PINNED = {"_shim", "_version", "_compat", "_state", "_shards", "_stats", "_native", "_deliver", "_ops", "_taps", "_views", "_swaps", "_sites",
           "_hookrt", "_speedups"}
 # Rank of each top-level folder: a module may import its own folder and lower ranks only.
 LAYERS = {"pinned": 0, "serialize": 1, "capture": 2, "audit": 2, "diagnostics": 3, "integrations": 3, "root": 4}

@@ -215,18 +215,6 @@ def test_a_model_loaded_in_a_fresh_process_records_the_same_sources(kind, tmp_pa
     assert all(source is not None for _, source in got)
 
 
-def test_modules_called_from_generated_code_have_no_source():
-    """FX's GraphModule calls the leaf modules from code FX generated, not the model's: no source,
-    rather than a wrong one."""
-    torch.manual_seed(0)
-    model = small.ThreePlaces()
-    picklehooks.instrument(model, capture=("output",))
-    traced = torch.fx.symbolic_trace(model)
-    with picklehooks.record() as log:
-        traced(*small.inputs("mlp"))
-    assert log.records and all(r.source is None for r in log.records)
-
-
 def test_compare_names_the_line_a_modified_copy_changed(tmp_path):
     """``compare`` of a model against a copy whose one ``forward`` line changed names that line."""
     from picklehooks.diagnostics import compare, record_forward
