@@ -42,11 +42,16 @@ Sections (``--only`` takes a comma-separated subset; default all):
   statistics computed by the record op's kernel at run time (the default
   where the native kernel is built) and by the graph itself (Inductor's
   fused reductions; the default elsewhere; each call sets the switch, on
-  which Dynamo guards). Each variant is its own ``nn.Sequential`` subclass,
-  so Dynamo can't reuse another's graph. A floor in the same run: the
-  compiled plain model followed by the native statistics of as many values
-  as one call records, of the same shapes (views of one random buffer; CPU,
-  with the extension).
+  which Dynamo guards). Each variant is its own ``nn.Sequential`` subclass
+  with a ``forward`` code object of its own, so Dynamo can't reuse another's
+  graph or walk its guards. A floor in the same run: the compiled plain
+  model followed by the native statistics of as many values as one call
+  records, of the same shapes (views of one random buffer; CPU, with the
+  extension). Two tables per workload, each against the compiled plain model:
+  the kernel's statistics (idle, recording, the floor; issue #38's targets:
+  idle ≤ 1.02×, recording ≤ the floor + 0.05), then the graph's statistics
+  and the eager model (the switch, flipped between them, makes Dynamo check
+  guards in full at the next call: kept apart, that costs no variant).
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
@@ -691,12 +696,13 @@ def script_section(setup: Setup) -> None:
 
 def compile_section(setup: Setup) -> None:
     import tempfile
+    import types
 
     from picklehooks import _taps
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
-    # Every variant shares nn.Sequential.forward's cache: 2 graphs per instrumented variant (idle and
-    # recording) x 2 statistics switches x grad modes, beyond Dynamo's default limit of 8 entries.
+    # Each instrumented variant compiles 2 graphs (idle and recording) x grad modes, and the
+    # statistics switch is guarded: room beyond Dynamo's default limit of 8 entries.
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, 64)
 
@@ -716,7 +722,15 @@ def compile_section(setup: Setup) -> None:
     saved_flag = _taps._GRAPH_STATS_ON_CPU
 
     def own_class(m: nn.Module, i: int) -> nn.Module:
-        m.__class__ = type(f"BenchVariant{i}", (nn.Sequential,), {})  # Dynamo guards on the type
+        """``m`` as a class of its own, whose ``forward`` has a code object of its own: Dynamo keeps
+        its graphs per code object and tries each one's guards in turn, so variants sharing
+        nn.Sequential.forward's made every call walk the others' graphs first (measured: the
+        idle variant at 1.21-1.23x of the plain model, against 1.00-1.04x for one compiled model
+        of each alone). A user's model has its graphs to itself."""
+        forward = nn.Sequential.forward
+        code = forward.__code__.replace(co_name=f"forward_variant{i}")
+        forward = types.FunctionType(code, forward.__globals__, "forward", forward.__defaults__, forward.__closure__)
+        m.__class__ = type(f"BenchVariant{i}", (nn.Sequential,), {"forward": forward})  # Dynamo guards on the type
         return m
 
     for (label, make), backward in itertools.product((("MLP", make_mlp), ("transformer", make_transformer)),
@@ -736,18 +750,35 @@ def compile_section(setup: Setup) -> None:
             with_flag(run, in_graph)()
             with_flag(recording(run, read_stats=True), in_graph)()  # backward graphs compile on the first backward
             compiled[in_graph] = run
-        variants = {
+        # Two groups, each against the compiled plain model in the same run: the statistics switch
+        # changes picklehooks._taps' globals, and each change makes Dynamo check a graph's guards in
+        # full at its next call; rotating through more models also starts each sample with the
+        # others' weights in the caches. Within one group, what a training run sees: one model,
+        # idle or recording. (Measured with the graph variants and the eager model in one rotation:
+        # the idle variant at 1.12-1.23x; alone with the plain model and recording: 1.03x.)
+        kernel = {
             C_BASE: workload(plain, task, backward),
             C_QUIET: with_flag(compiled[False], False),
             C_STATS: with_flag(recording(compiled[False], read_stats=True), False),
+        }
+        if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
+            kernel[C_FLOOR] = statistics_floor(kernel[C_BASE], compiled[False])
+        times = measure(kernel, setup, warmup=5)
+        targets = {C_QUIET: 1.02}
+        if C_FLOOR in times:
+            base = statistics.median(times[C_BASE][setup.judge])
+            targets[C_STATS] = statistics.median(times[C_FLOOR][setup.judge]) / base + 0.05
+        table(phase, times, C_BASE, setup, targets, {C_STATS: "the floor + 0.05"} if C_STATS in targets else {},
+              summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
+        graph = {
+            C_BASE: workload(plain, task, backward),
             C_GQUIET: with_flag(compiled[True], True),
             C_GSTATS: with_flag(recording(compiled[True], read_stats=True), True),
             C_EAGER: workload(copy.deepcopy(model), task, backward),
         }
-        if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
-            variants[C_FLOOR] = statistics_floor(variants[C_BASE], compiled[False])
-        times = measure(variants, setup, warmup=5)
-        table(phase, times, C_BASE, setup, {}, summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
+        times = measure(graph, setup, warmup=5)
+        table(f"{phase}: statistics by the graph, and eager mode", times, C_BASE, setup,
+              summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
     _taps._GRAPH_STATS_ON_CPU = saved_flag
 
 
