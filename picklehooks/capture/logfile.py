@@ -35,7 +35,7 @@ from .._shim import PicklehooksError
 from .record import STAT_NAMES, _renamed
 
 RECORDS, TENSORS = "records.json", "tensors.safetensors"
-FORMAT, VERSION = "picklehooks-log", 4  # 4: source; 3: n_nan, n_inf (were nan, inf); 2: the "tensors" list
+FORMAT, VERSION = "picklehooks-log", 5  # 5: note; 4: source; 3: n_nan, n_inf (were nan, inf); 2: the "tensors" list
 _OWN_FILES = frozenset({RECORDS, TENSORS})
 # Strict JSON has no NaN or Infinity; they are written as these strings.
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -126,7 +126,7 @@ def load(path: str | os.PathLike) -> tuple[list[dict], list[torch.Tensor | None]
         raise PicklehooksError(f"{records_file!r} is not readable JSON: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise PicklehooksError(f"{records_file!r} is not a picklehooks log")
-    if document.get("version") not in (1, 2, 3, VERSION):
+    if document.get("version") not in (1, 2, 3, 4, VERSION):
         raise PicklehooksError(
             f"{records_file!r} is log format {document.get('version')!r}; this picklehooks reads 1 to {VERSION}, "
             "so it was written by a newer picklehooks")
@@ -145,8 +145,9 @@ def _check_row(file: str, i: int, row) -> dict:
         if field not in row or not isinstance(row[field], types) or isinstance(row[field], bool):
             raise PicklehooksError(
                 f"{file!r}: record {i} has {field}={row.get(field)!r}; expected {' or '.join(t.__name__ for t in types)}")
-    if not isinstance(row.get("source"), (str, type(None))):  # (since format 4; absent before)
-        raise PicklehooksError(f"{file!r}: record {i} has source={row['source']!r}; expected str or None")
+    for field in ("source", "note"):  # (since formats 4 and 5; absent before)
+        if not isinstance(row.get(field), (str, type(None))):
+            raise PicklehooksError(f"{file!r}: record {i} has {field}={row[field]!r}; expected str or None")
     shape = row["shape"]
     if shape is not None and not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise PicklehooksError(f"{file!r}: record {i} has shape {shape!r}, not a list of sizes")

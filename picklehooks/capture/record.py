@@ -187,7 +187,8 @@ class Record:
         """Why this record has no statistics though its value was recorded, or ``None``.
 
         Set for a gradient a ``torch.compile`` backward computed as all zeros where it may be
-        no gradient at all (:data:`NO_GRADIENT_NOTE`).
+        no gradient at all (:data:`NO_GRADIENT_NOTE`). Tables, log files and sinks keep it (a
+        ``note`` column); a loaded note reads as this one, the only one there is.
         """
         if type(self._src) is _ZerosIfNone:
             self.stats  # noqa: B018 - resolves it
@@ -210,6 +211,7 @@ class Record:
             "dtype": self.dtype,
             "value": self.value,
             "source": self.source,
+            "note": self.note,
         }
         if self.rank is not None:
             row["rank"] = self.rank
@@ -223,6 +225,9 @@ def _record_from_row(row: dict, tensor: torch.Tensor | None) -> Record:
     rec = Record(row["module"], row["kind"], row["path"], row["call"], row["step"], shape=shape,
                  dtype=row["dtype"], value=row["value"], rank=row.get("rank"), tensor=tensor,
                  source=row.get("source"))
+    if row.get("note") is not None:  # (since log format 5 and sink format 4) the one note there is
+        rec._src = _NO_GRADIENT
+        return rec
     row = _renamed(row)  # a row of an older picklehooks: nan, inf
     if row.get("mean") is not None or row.get("n_nan") is not None:
         rec._stats = Stats(shape=shape, dtype=row["dtype"])

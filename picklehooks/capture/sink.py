@@ -59,9 +59,9 @@ from .._shim import PicklehooksError
 from .record import RENAMED_STATS, STAT_NAMES
 
 MANIFEST, TENSOR_DIR = "_picklehooks.json", "_tensors"
-FORMAT, VERSION = "picklehooks-sink", 3  # 3: source; 2: n_nan, n_inf (were nan, inf)
+FORMAT, VERSION = "picklehooks-sink", 4  # 4: note; 3: source; 2: n_nan, n_inf (were nan, inf)
 #: Columns of a part, in order (``table()``'s, then where the tensor is).
-COLUMNS = ("module", "kind", "path", "call", "step", "shape", "dtype", "value", "source", "rank", *STAT_NAMES,
+COLUMNS = ("module", "kind", "path", "call", "step", "shape", "dtype", "value", "source", "note", "rank", *STAT_NAMES,
            "tensor_file", "tensor_key")
 _PART = re.compile(r"part-(\d+)\.parquet")
 _TENSORS = re.compile(r"part-(\d+)\.safetensors")
@@ -118,7 +118,7 @@ def _check_manifest(where: str) -> int:
         raise PicklehooksError(f"{file!r} is not readable JSON: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise PicklehooksError(f"{file!r} does not mark a picklehooks sink (format {FORMAT!r})")
-    if document.get("version") not in (1, 2, VERSION):
+    if document.get("version") not in (1, 2, 3, VERSION):
         raise PicklehooksError(
             f"{file!r} is sink format {document.get('version')!r}; this picklehooks reads 1 to {VERSION}, "
             "so it was written by a newer picklehooks")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .._shim import PicklehooksError
 from . import sink as _sink
 from .logfile import dtype_name
-from .record import _COUNTS, _NO_GRADIENT, STAT_NAMES, Record, _record_from_row, _resolve
+from .record import _COUNTS, _NO_GRADIENT, NO_GRADIENT_NOTE, STAT_NAMES, Record, _record_from_row, _resolve
 
 _NO_STATS = (None,) * len(STAT_NAMES)
 
@@ -20,12 +20,12 @@ def _columns(records: list[Record], rows: list[tuple], rank: int | None, sources
     """Columns of a sink part (:data:`picklehooks.capture.sink.COLUMNS`) from Records and from compact rows
     (the records first, as they were recorded first), and the kept tensors by row number. ``sources``:
     the log's ``(module, call) -> source`` (see :mod:`picklehooks.capture.sources`), for the rows."""
-    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:10]}
+    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:11]}
     stats, tensors = [], {}
     for i, r in enumerate(records):
         for name, value in zip(columns, (r.module, r.kind, r.path, r.call, r.step,
                                          None if r.shape is None else list(r.shape), r.dtype, r.value, r.source,
-                                         r.rank)):
+                                         r.note, r.rank)):
             columns[name].append(value)
         s = r.stats
         stats.append(_NO_STATS if s is None else tuple(s[name] for name in STAT_NAMES))
@@ -41,9 +41,11 @@ def _columns(records: list[Record], rows: list[tuple], rank: int | None, sources
         get = (sources or {}).get
         columns["source"] += [get((m, c)) for m, c in zip(module, call)]
         columns["rank"] += [rank] * len(rows)
+        notes = columns["note"]
         for s, pending in zip(row_stats, src):
             if s is None and pending is not None:
                 s = _resolve(pending)
+            notes.append(NO_GRADIENT_NOTE if s is _NO_GRADIENT else None)
             stats.append(_NO_STATS if s is None or s is _NO_GRADIENT else s)
         offset = len(records)
         tensors.update((offset + i, t) for i, t in enumerate(kept) if t is not None)

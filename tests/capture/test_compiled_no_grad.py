@@ -219,3 +219,34 @@ def _hook_outputs(out, want: dict):
             view.register_hook(lambda g, key=key: want.__setitem__(key, g.clone()))
             out[key] = view
     return out
+
+
+def test_the_mark_survives_tables_log_files_and_sinks(tmp_path):
+    """The note is data: ``table()`` and ``to_pandas()`` have it, a saved log and a Parquet sink keep it
+    (read back in this process: the files are what carries it), and unmarked records have none."""
+    pytest.importorskip("pyarrow")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    picklehooks.instrument(model, capture=("output", "grad_output"))
+    run = transformed(model, "compile", _inputs("dict"))
+    logs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for where in ("memory", "sink"):
+            with picklehooks.record(**({"sink": tmp_path / "sink"} if where == "sink" else {})) as log:
+                (run(*_inputs("dict")) * 0).sum().backward()
+            logs[where] = log
+        log = logs["memory"]
+        log.save(tmp_path / "log")
+        loaded = {"memory": log, "log file": picklehooks.Log.load(tmp_path / "log"),
+                  "sink": picklehooks.Log.load(tmp_path / "sink")}
+        for name, got in loaded.items():
+            by_kind = {r.kind: r for r in got.records if r.module == "0"}
+            assert by_kind["grad_output"].stats is None and by_kind["grad_output"].note == NO_GRADIENT_NOTE, name
+            assert by_kind["output"].stats is not None and by_kind["output"].note is None, name
+            rows = {row["kind"]: row for row in got.table() if row["module"] == "0"}
+            assert rows["grad_output"]["note"] == NO_GRADIENT_NOTE and rows["grad_output"]["mean"] is None, name
+            assert rows["output"]["note"] is None and rows["output"]["mean"] is not None, name
+        pytest.importorskip("pandas")
+        frame = loaded["sink"].to_pandas()
+        assert list(frame.loc[frame["kind"] == "grad_output", "note"]) == [NO_GRADIENT_NOTE]

@@ -17,7 +17,7 @@ import picklehooks
 from picklehooks.capture.log import STAT_NAMES, held
 from tests.testutils import plain_stats
 
-TABLE_KEYS = ["module", "kind", "path", "call", "step", "shape", "dtype", "value", "source", *STAT_NAMES]
+TABLE_KEYS = ["module", "kind", "path", "call", "step", "shape", "dtype", "value", "source", "note", *STAT_NAMES]
 
 
 def mlp(seed: int = 0) -> nn.Sequential:

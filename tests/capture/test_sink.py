@@ -21,7 +21,7 @@ pd = pytest.importorskip("pandas")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-TABLE = ["module", "kind", "path", "call", "step", "shape", "dtype", "value", "source", *STAT_NAMES]
+TABLE = ["module", "kind", "path", "call", "step", "shape", "dtype", "value", "source", "note", *STAT_NAMES]
 STEPS = 4
 
 
