@@ -201,6 +201,14 @@ def _record_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: in
         log._add_tensor(module, kind, path, x, flags)
         if flags >> _SITE_SHIFT:
             _note_site(log, module, kind, path, flags)
+        else:
+            _script_site(log, module, kind, path)
+
+
+def _script_site(log, module: str, kind: str, path: str) -> None:
+    note = getattr(log, "_script_site", None)  # (a host log of an earlier version: none)
+    if note is not None:
+        note(module, kind, path)
 
 
 def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str, flags: int, shape: list,
@@ -215,11 +223,15 @@ def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str,
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
     # Schemas have no list-of-str type, so the names arrive comma-joined.
     log = _active_log() if flags >> _SITE_SHIFT else None
+    last = None
     for name, value in zip(names.split(","), values):
         if value is not None:
             _deliver(value, module, kind, name, flags)
             if log is not None:
                 _note_site(log, module, kind, name, flags)
+            last = name
+    if last is not None and not flags >> _SITE_SHIFT and (log := _active_log()) is not None:
+        _script_site(log, module, kind, last)
 
 
 def _call_site_kernel(module: str, site: str, cls: str) -> None:
@@ -276,6 +288,8 @@ def _tap_kernel(x: torch.Tensor, module: str, kind: str, path: str, flags: int) 
             log._note_call(module, kind, path, x, flags)  # so the gradient's record gets the right call
             if flags >> _SITE_SHIFT:
                 _note_site(log, module, kind, path, flags)
+            else:
+                _script_site(log, module, kind, path)
     return x.clone()
 
 

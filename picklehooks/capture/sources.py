@@ -49,7 +49,7 @@ limitations page), so may a module called twice.
 
 from __future__ import annotations
 
-from .._sites import caller_source, describe_class, run_site, traced_text
+from .._sites import caller_source, describe_class, run_site, scripted_source, traced_text
 
 __all__ = ["caller_source", "describe_class", "graph_source", "traced_source"]
 
@@ -122,15 +122,26 @@ class Sources:
         if key not in self._sources:
             self._sources[key] = graph_source(site, cls)
 
-    def _graph_call_site(self, module: str, kind: str, path: str, frames: tuple) -> None:
-        """A ``torch.compile`` graph's op just recorded (or counted) a value of ``module``: give the
-        record's ``(module, call)`` the source tracing saw (called by the op's kernel, by name)."""
+    def _script_site(self, module: str, kind: str, path: str) -> None:
+        """A program's op recorded (or counted) a value of ``module`` without a site: a scripted
+        program's, which has no ``call_site`` ops (or one traced before they existed). Its source
+        comes from the program's graphs (:func:`picklehooks._sites.scripted_source`), once per
+        ``(module, call)`` (called by the op's kernel, by name)."""
+        key = (module, self._last_call(module, kind, path))
+        if key not in self._sources:
+            self._sources[key] = scripted_source(module, key[1])
+
+    def _last_call(self, module: str, kind: str, path: str) -> int:
+        """The call of ``module`` that the value just recorded (or counted) belongs to."""
         rows = self._rows
         row = rows[-1] if rows else None
         if row is not None and row[0] == module and row[1] == kind and row[2] == path:
-            call = row[3]
-        else:  # counted without a row (a gradient-only tap), or read meanwhile
-            call = self._calls.get((module, kind, path), 1) - 1
-        key = (module, call)
+            return row[3]
+        return self._calls.get((module, kind, path), 1) - 1  # counted without a row, or read meanwhile
+
+    def _graph_call_site(self, module: str, kind: str, path: str, frames: tuple) -> None:
+        """A ``torch.compile`` graph's op just recorded (or counted) a value of ``module``: give the
+        record's ``(module, call)`` the source tracing saw (called by the op's kernel, by name)."""
+        key = (module, self._last_call(module, kind, path))
         if key not in self._sources:
             self._sources[key] = traced_source(frames)

@@ -1,7 +1,9 @@
-"""Records of traced programs name the line of code that called their module (issue 39, item 1):
-``jit.trace``, ``torch.export`` (also saved and loaded in a fresh process) and FX.
+"""Records of traced and scripted programs name the line of code that called their module (issue 39,
+item 1): ``jit.trace``, ``torch.export`` and ``jit.script`` (also saved and loaded in a fresh
+process) and FX.
 
-The graph carries each call's site (a ``picklehooks::call_site`` op, found while tracing); the
+A traced graph carries each call's site (a ``picklehooks::call_site`` op, found while tracing); a
+scripted program's sites are read off its graphs (the source ranges of its ``forward`` calls); the
 root's line is the one that calls the program. Ground truth: ``inspect.stack()`` in plain pre-hooks
 on an un-instrumented copy run in eager mode (``tests.capture.test_sources._expected``).
 """
@@ -24,6 +26,8 @@ CAPTURE = ("input", "output", "grad_output", "param")
 
 
 def _in_form(model, form: str, args: tuple = (), kwargs: dict | None = None):
+    if form == "script":
+        return torch.jit.script(model)
     if form == "trace":
         if kwargs:
             return torch.jit.trace(model, example_kwarg_inputs=kwargs, strict=False, check_trace=False)
@@ -31,7 +35,7 @@ def _in_form(model, form: str, args: tuple = (), kwargs: dict | None = None):
     return torch.export.export(model, args, kwargs).module()
 
 
-@pytest.mark.parametrize("form", ["trace", "export"])
+@pytest.mark.parametrize("form", ["trace", "export", "script"])
 def test_three_places_each_call_has_its_line(form):
     """One Identity called from three lines (one in a loop), blocks called in a loop: every record of
     the traced program has its call's line, the root's the line that calls the program."""
@@ -40,10 +44,11 @@ def test_three_places_each_call_has_its_line(form):
     model = small.ThreePlaces()
     model.load_state_dict(plain.state_dict())
     want = _expected(plain, _three_places_step)
-    picklehooks.instrument(model, modules=["", "*"], capture=CAPTURE)
+    picklehooks.instrument(model, modules=["", "*"], capture=CAPTURE, scriptable=form == "script")
     run = _in_form(model, form, small.inputs("mlp"))
-    graph = str(run.inlined_graph) if form == "trace" else run.code  # (jit.trace: a method per module)
-    assert graph.count("picklehooks.call_site" if form == "export" else "picklehooks::call_site") == len(want)
+    if form != "script":  # one op per module call, in the graph (jit.trace: a method per module)
+        graph = str(run.inlined_graph) if form == "trace" else run.code
+        assert graph.count("picklehooks.call_site" if form == "export" else "picklehooks::call_site") == len(want)
     for _ in range(2):
         with picklehooks.record() as log:
             _three_places_step(run)
@@ -129,3 +134,88 @@ def test_fx_names_the_calls_it_traces_through_and_no_other():
     assert len(traced_through) == 4
     assert all(v == want[(k[0], k[3])] for k, v in traced_through.items())
     assert all(v is None for k, v in got.items() if k not in traced_through)
+
+
+@pytest.mark.parametrize("name", sorted(small.MODELS))
+def test_scripted_models_record_eager_sources(name):
+    """The small models (an MLP, a CNN, a transformer encoder layer: torch's own modules calling
+    theirs; a module called twice), instrumented ``scriptable=True`` and scripted: every record."""
+    torch.manual_seed(0)
+    plain = small.MODELS[name]()
+    model = small.MODELS[name]()
+    model.load_state_dict(plain.state_dict())
+    x = small.inputs(name)
+
+    def step(m):
+        out = m(*x)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    want = _expected(plain, step)
+    picklehooks.instrument(model, capture=("input", "output", "grad_output"), example_inputs=x, scriptable=True)
+    with picklehooks.record() as log:
+        step(torch.jit.script(model))
+    _check(log, want)
+    assert None not in _sources_by_key(log).values()
+
+
+class _Looped(torch.nn.Module):
+    """A layer called in a ``range`` loop (``prim::Loop`` in TorchScript, where the count is the
+    data's) and another called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, n: int = 2) -> torch.Tensor:
+        for _ in range(n):
+            x = self.lin(x)
+        return self.out(x)
+
+
+def test_a_scripted_module_called_in_a_loop_has_no_source_rather_than_a_wrong_one():
+    torch.manual_seed(0)
+    plain, model = _Looped(), _Looped()
+    model.load_state_dict(plain.state_dict())
+    x = small.inputs("mlp")
+    want = _expected(plain, lambda m: m(*x).sum().backward())
+    picklehooks.instrument(model, capture=("output",), example_inputs=x, scriptable=True)
+    with picklehooks.record() as log:
+        torch.jit.script(model)(*x).sum().backward()
+    got = _sources_by_key(log)
+    assert {k[0] for k in got} == {"lin", "out"}
+    assert all(v is None for k, v in got.items() if k[0] == "lin")
+    assert got[("out", "output", "", 0)] == want[("out", 0)]
+
+
+_SCRIPT_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {repo!r})
+from tests.contract.frozen_v3_step import run_step  # (not the model's module: the program names it)
+model = torch.jit.load(sys.argv[1])
+x = torch.load(sys.argv[2], weights_only=True)
+assert "tests.models.small" not in sys.modules
+print(json.dumps(run_step(model, x)))
+"""
+
+
+def test_a_scripted_program_loaded_in_a_fresh_process_records_the_same_sources(tmp_path):
+    """``torch.jit.save`` then ``torch.jit.load`` in a process that never imports the model's module:
+    the program's graphs and type names carry the sites, files and classes."""
+    import warnings
+
+    from tests.contract.frozen_v3_step import run_step
+
+    torch.manual_seed(0)
+    plain = small.ThreePlaces()
+    model = small.ThreePlaces()
+    model.load_state_dict(plain.state_dict())
+    (x,) = small.inputs("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (run_step's record() sees nothing on the plain model)
+        want = _expected(plain, lambda m: run_step(m, x))
+    picklehooks.instrument(model, modules=["", "*"], capture=("output", "grad_output"), scriptable=True)
+    torch.jit.save(torch.jit.script(model), tmp_path / "model.pt")
+    torch.save(x, tmp_path / "x.pt")
+    out = run_fresh(_SCRIPT_CHILD.format(repo=REPO), str(tmp_path / "model.pt"), str(tmp_path / "x.pt"), cwd=REPO)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got and all(source == want[(module, call)] for module, _, _, call, source in got), got

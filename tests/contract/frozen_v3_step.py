@@ -13,6 +13,7 @@ import picklehooks
 #: How a process loads each artifact: torch's own loaders.
 LOADERS = {
     "trace": lambda path: torch.jit.load(path),
+    "script": lambda path: torch.jit.load(path),
     "export": lambda path: torch.export.load(path).module(),
 }
 

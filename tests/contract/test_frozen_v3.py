@@ -1,10 +1,10 @@
-"""The wire contract's version 3 (docs/contract.md): programs traced or exported since issue #39
-carry each module call's source, and keep recording it.
+"""The wire contract's version 3 (docs/contract.md): programs traced, exported or scripted since
+issue #39 record each module call's source, and keep recording it.
 
-tests/data/make_frozen_v3.py wrote tests/data/frozen_v3/: a traced and an exported instrumented
-``ThreePlaces`` (one ``Identity`` called from three lines), whose graphs call
-``picklehooks::call_site``; the records of one step each made, loaded in a fresh process; and the
-op's schema and the ``Log`` member its kernel calls. Each artifact is loaded here in a fresh
+tests/data/make_frozen_v3.py wrote tests/data/frozen_v3/: a traced, an exported and a scripted
+instrumented ``ThreePlaces`` (one ``Identity`` called from three lines), the first two of whose
+graphs call ``picklehooks::call_site``; the records of one step each made, loaded in a fresh
+process; and the op's schema and the ``Log`` members the kernels call. Each artifact is loaded here in a fresh
 process by the code of the day. Version 2 (test_wire_contract.py) covers everything else.
 """
 
@@ -22,12 +22,13 @@ from tests.testutils import REPO, run_fresh
 
 FROZEN = REPO / "tests" / "data" / "frozen_v3"
 EXPECTED = json.loads((FROZEN / "expected.json").read_text())
-ARTIFACTS = {"trace": "trace.pt", "export": "export.pt2"}
+ARTIFACTS = {"trace": "trace.pt", "export": "export.pt2", "script": "script.pt"}
 
 
 def test_the_op_and_the_log_member_are_as_frozen():
     assert str(torch.ops.picklehooks.call_site.default._schema) == EXPECTED["op_schema"]
-    assert f"_call_site{inspect.signature(Log._call_site)}" == EXPECTED["log_member"]
+    assert [f"{name}{inspect.signature(getattr(Log, name))}" for name in ("_call_site", "_script_site")] \
+        == EXPECTED["log_members"]
 
 
 def _root_line() -> str:

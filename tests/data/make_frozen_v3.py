@@ -1,13 +1,16 @@
 """Write the v3 wire-contract artifacts into tests/data/frozen_v3 from the code as it is.
 
-Version 3 adds to tests/data/frozen_v2 what programs traced or exported since issue #39 carry: a
-``picklehooks::call_site(module, site, cls)`` op per module call, whose arguments are the call's
-source, and the ``Log._call_site`` member its kernel calls. Written, each under 50 KB:
+Version 3 adds to tests/data/frozen_v2 what programs traced, exported or scripted since issue #39
+record: a ``picklehooks::call_site(module, site, cls)`` op per module call in traced and exported
+graphs, whose arguments are the call's source, and the ``Log`` members the kernels call
+(``_call_site``; ``_script_site``, by which a scripted program's records get the sites its graphs
+keep). Written, each under 50 KB:
 
 * ``trace.pt``: ``torch.jit.save`` of ``torch.jit.trace`` of ``tests.models.small.ThreePlaces``
   (one ``Identity`` called from three lines, one in a loop; blocks in a loop), instrumented with
   ``modules=["", "*"]`` and ``capture=("output", "grad_output")``;
 * ``export.pt2``: ``torch.export.save`` of the same model exported;
+* ``script.pt``: ``torch.jit.save`` of the model instrumented with ``scriptable=True`` and scripted;
 * ``<artifact>.input.pt``: the input of the step;
 * ``expected.json``: per artifact, ``[module, kind, path, call, source]`` of every record of one step
   (``tests.contract.frozen_v3_step.run_step``), as the artifact recorded it in a fresh process
@@ -51,9 +54,14 @@ def main(out: Path) -> None:
     (x,) = small.inputs("mlp")
     torch.jit.save(torch.jit.trace(model, (x,)), out / "trace.pt")
     torch.export.save(torch.export.export(model, (x,)), out / "export.pt2")
+    torch.manual_seed(0)
+    scriptable = small.ThreePlaces()
+    picklehooks.instrument(scriptable, modules=["", "*"], capture=("output", "grad_output"), scriptable=True)
+    torch.jit.save(torch.jit.script(scriptable), out / "script.pt")
     expected = {"op_schema": str(torch.ops.picklehooks.call_site.default._schema),
-                "log_member": f"_call_site{inspect.signature(Log._call_site)}", "records": {}}
-    for which, name in (("trace", "trace.pt"), ("export", "export.pt2")):
+                "log_members": [f"{name}{inspect.signature(getattr(Log, name))}" for name in ("_call_site", "_script_site")],
+                "records": {}}
+    for which, name in (("trace", "trace.pt"), ("export", "export.pt2"), ("script", "script.pt")):
         torch.save(x, out / f"{name}.input.pt")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         done = subprocess.run([sys.executable, "-c", CHILD, which, str(out / name), str(REPO)],
