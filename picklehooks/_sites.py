@@ -13,26 +13,25 @@ log's side). This module finds those texts:
   itself (the root's) gets an empty site: the line that calls the program is found when it runs
   (:func:`run_site`);
 * under ``torch.compile``, from the stack Dynamo was tracing when a value got its site number
-  (:func:`dynamo_frames`, :func:`traced_text`).
+  (:func:`dynamo_frames`, :func:`traced_text`);
+* in a ``jit.script`` program (whose hooks TorchScript compiles once per module, not per call),
+  from its graphs: :mod:`picklehooks.capture.script_sites`, on the log's side, with the helpers here.
 
 Part of the hook runtime, so it travels into torch.package archives: standard library and torch
 only. Texts are kept per (code, line) and per class, once per process.
 
-Limits: ``jit.script`` compiles hooks once per module, not per call, and runs no Python while
-the parent calls its children, so its records have no source; nor do calls from code a tracer
-generated (an FX ``GraphModule``'s ``forward`` calling a leaf module, such as ``nn.Linear``,
-which ``symbolic_trace`` doesn't trace into: the graph keeps no line for it).
+Limits: calls from code a tracer generated (an FX ``GraphModule``'s ``forward`` calling a leaf
+module, such as ``nn.Linear``, which ``symbolic_trace`` doesn't trace into: the graph keeps no
+line for it) have no source; for scripted programs, see :mod:`picklehooks.capture.script_sites`.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import linecache
 import os
 import re
-import weakref
 
 import torch
 
@@ -49,7 +48,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # the hook runtime and the ops' kernels (also their copies in a torch.package archive,
 # "<torch_package_0>.picklehooks/..."), and the log's side of this.
 _OWN = {"picklehooks/_hookrt.py", "picklehooks/_taps.py", "picklehooks/_sites.py", "picklehooks/_ops.py",
-        "picklehooks/_deliver.py", "picklehooks/capture/sources.py"}
+        "picklehooks/_deliver.py", "picklehooks/capture/sources.py", "picklehooks/capture/script_sites.py"}
 _OWN_PATHS = {os.path.normcase(os.path.join(_PACKAGE_DIR, *name.split("/")[1:])) for name in _OWN}
 _MANGLED = re.compile(r"^<torch_package_\d+>\.?")
 # Code objects not to stop at, by file name, cached.
@@ -312,200 +311,19 @@ def run_site() -> str | None:
     frame = _frame(1)
     while frame is not None:
         code = frame.f_code
-        filename = code.co_filename
-        if filename.startswith("<"):  # generated code (FX's forward), but a notebook cell or an archive's module
-            inside = not filename.startswith("<ipython-input") and not _MANGLED.match(filename)
-        else:
-            inside = os.path.normcase(os.path.abspath(filename)).startswith(_TORCH_DIR)
-        if not (inside or _skipped(filename)):
+        passed = _RUN_SKIP.get(code.co_filename)
+        if passed is None:
+            passed = _RUN_SKIP[code.co_filename] = _run_skipped(code.co_filename)
+        if not passed:
             return site_text(code, frame.f_lineno, frame.f_globals)
         frame = frame.f_back
     return None
 
 
-# -- TorchScript: a scripted program's call sites, read off its graphs ---------------------------
-
-_RANGE = re.compile(r'File "(.+)", line (\d+)')
-_MANGLE = re.compile(r"\.___torch_mangle_\d+")
-_SYS_MODULES = importlib.import_module("sys").modules  # (sys itself can't be imported in an archive)
-_BY_FILE: dict[str, str] = {}  # normcased file path -> the module loaded from it
-_SCRIPTED = weakref.WeakKeyDictionary()  # a scripted program's root -> its _ScriptSites
-_TORCH_MODULE = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
+_RUN_SKIP: dict[str, bool] = {}
 
 
-def scripted_source(module: str, call: int) -> str | None:
-    """The source of call ``call`` of ``module`` in the scripted (or ``jit.trace``d) program whose
-    record op is running: found on its graphs, once per program (:class:`_ScriptSites`). None
-    outside one, and where its graphs don't tell (see :class:`_ScriptSites`)."""
-    frame = _frame(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_call_impl" and \
-                os.path.normcase(os.path.abspath(frame.f_code.co_filename)) == _TORCH_MODULE:
-            root = frame.f_locals.get("self")
-            if isinstance(root, torch.jit.RecursiveScriptModule):
-                break
-        frame = frame.f_back
-    else:
-        return None
-    try:
-        sites = _SCRIPTED.get(root)
-        if sites is None:
-            sites = _SCRIPTED[root] = _ScriptSites(root)
-        if module == sites.root_name:
-            site = run_site()
-            return None if site is None else f"{site} ({sites.classes[module]})"
-        return sites.text(module, call)
-    except Exception:  # noqa: BLE001 - TorchScript's graph API moved: no source, the record stays
-        return None
-
-
-class _ScriptSites:
-    """The call sites of each module of a scripted program, by its ``_picklehooks_name``: the
-    ``prim::CallMethod`` of its ``forward`` in its parent's graphs (methods the parent calls on itself
-    included), in graph order, with the source range TorchScript kept (``jit.script`` unrolls loops
-    over a ``ModuleList``). A module called inside a loop or a branch (``prim::Loop``, ``prim::If``),
-    or from two parents, has no source: the order of its calls isn't the graph's."""
-
-    def __init__(self, root) -> None:
-        self.sites: dict[str, list] = {}
-        self.unsure: set[str] = set()
-        self.classes: dict[str, str] = {}
-        self.root_name = None
-        by_path = {path: mod for path, mod in root.named_modules()}
-        self.names = {path: _picklehooks_name(mod) for path, mod in by_path.items()}
-        self.root_name = self.names.get("")
-        for path, mod in by_path.items():
-            if self.names[path] is not None:
-                self.classes[self.names[path]] = _script_class(mod)
-        owners: dict[str, str] = {}
-        for path, mod in by_path.items():
-            if mod._c._has_method("forward"):
-                self._walk(mod, path, mod._c._get_method("forward").graph, owners, False, set())
-        self._texts: dict[tuple, str | None] = {}
-
-    def _walk(self, module, path: str, graph, owners: dict, nested: bool, seen: set) -> None:
-        values = {next(iter(graph.inputs())): path}
-
-        def visit(block, nested: bool) -> None:
-            for node in block.nodes():
-                kind = node.kind()
-                if kind == "prim::GetAttr" and node.inputsAt(0) in values:
-                    base = values[node.inputsAt(0)]
-                    values[node.output()] = f"{base}.{node.s('name')}" if base else node.s("name")
-                elif kind == "prim::CallMethod" and node.inputsAt(0) in values:
-                    target, method = values[node.inputsAt(0)], node.s("name")
-                    if target == path and method != "forward" and method not in seen:
-                        seen.add(method)  # a method the module calls on itself: its calls are this graph's
-                        self._walk(module, path, module._c._get_method(method).graph, owners, nested, seen)
-                        seen.discard(method)
-                    elif target != path and method == "forward":
-                        name = self.names.get(target)
-                        if name is None:
-                            continue
-                        if owners.setdefault(name, path) != path or nested:
-                            self.unsure.add(name)
-                        match = _RANGE.search(node.sourceRange())
-                        self.sites.setdefault(name, []).append(
-                            (match.group(1), int(match.group(2)), _type_module(module)[0]) if match else None)
-                for inner in node.blocks():
-                    visit(inner, True)
-
-        visit(graph, nested)
-
-    def text(self, module: str, call: int) -> str | None:
-        sites = self.sites.get(module)
-        if not sites or module in self.unsure:
-            return None
-        site = sites[call % len(sites)]
-        key = (module, site)
-        if key not in self._texts:
-            where = None if site is None else _file_site(*site)
-            self._texts[key] = None if where is None else f"{where} ({self.classes[module]})"
-        return self._texts[key]
-
-
-def _picklehooks_name(module) -> str | None:
-    c = module._c
-    return c.getattr("_picklehooks_name") if c.hasattr("_picklehooks_name") else None
-
-
-def _type_module(module) -> tuple[str, str]:
-    """(module, class) of the Python class a scripted module was made from, by the name TorchScript
-    kept (``__torch__.tests.models.small.Stage``)."""
-    qualified = _MANGLE.sub("", module._c._type().qualified_name()).removeprefix("__torch__.")
-    where, _, name = qualified.rpartition(".")
-    return where, name
-
-
-def _script_class(module) -> str:
-    """:func:`describe_class` of the Python class a scripted module was made from: the class itself
-    where its module is imported; else its ``class`` statement, in the file its ``forward``'s
-    source range names (a program loaded in another process); else its name."""
-    where, name = _type_module(module)
-    cls = getattr(_SYS_MODULES.get(where), name, None)
-    if isinstance(cls, type):
-        return describe_class(cls)
-    if module._c._has_method("forward"):
-        for node in module._c._get_method("forward").graph.nodes():
-            match = _RANGE.search(node.sourceRange())
-            if match:
-                tree = _parsed(match.group(1), {})
-                line = int(match.group(2))
-                best = None
-                for statement in ast.walk(tree) if tree is not None else ():
-                    if isinstance(statement, ast.ClassDef) and statement.name == name \
-                            and statement.lineno <= line <= (statement.end_lineno or line):
-                        if best is None or statement.lineno > best.lineno:
-                            best = statement
-                if best is not None:
-                    at = best.decorator_list[0].lineno if best.decorator_list else best.lineno
-                    return f"{module.original_name}, {_file_label(match.group(1), where)}:{at}"
-                break
-    return module.original_name
-
-
-def _file_label(filename: str, hint: str | None = None) -> str:
-    """A file as records name it (see :func:`_file_name`): by the module loaded from it; else by
-    ``hint`` (the module a scripted class came from) where the file is that module's; else its name."""
-    path = os.path.normcase(os.path.abspath(filename))
-    if path not in _BY_FILE:
-        _BY_FILE.update((os.path.normcase(os.path.abspath(f)), n) for n, m in list(_SYS_MODULES.items())
-                        if isinstance(f := getattr(m, "__file__", None), str))
-    module_name = _BY_FILE.get(path)
-    if module_name is None and hint:
-        stem = os.path.normcase(os.path.join(*hint.split(".")))
-        if path.endswith(os.sep + stem + ".py") or path.endswith(os.sep + os.path.join(stem, "__init__.py")):
-            module_name = hint
-    if not module_name or module_name == "__main__":
-        return os.path.basename(filename)
-    if os.path.basename(filename) == "__init__.py":
-        return module_name.replace(".", "/") + "/__init__.py"
-    return module_name.replace(".", "/") + ".py"
-
-
-def _file_site(filename: str, line: int, hint: str | None = None) -> str | None:
-    """``"file:line in function"`` for a line of a file, as :func:`site_text` names a frame: the file
-    as :func:`_file_label` names it, the function by the ``def`` around the line."""
-    tree = _parsed(filename, {})
-    qualname = _function_at(tree, line) if tree is not None else None
-    return None if qualname is None else f"{_file_label(filename, hint)}:{line} in {qualname}"
-
-
-def _function_at(tree, line: int) -> str | None:
-    """The qualified name (``co_qualname``'s) of the innermost function whose body holds ``line``."""
-    best = None
-
-    def visit(node, prefix: str) -> None:
-        nonlocal best
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = f"{prefix}{child.name}"
-                if child.lineno <= line <= (child.end_lineno or child.lineno):
-                    if not isinstance(child, ast.ClassDef):
-                        best = name
-                    visit(child, name + (".<locals>." if not isinstance(child, ast.ClassDef) else "."))
-            else:
-                visit(child, prefix)
-
-    visit(tree, "")
-    return best
+def _run_skipped(filename: str) -> bool:
+    if filename.startswith("<"):  # generated code (FX's forward), but a notebook cell or an archive's module
+        return _skipped(filename) or not (filename.startswith("<ipython-input") or _MANGLED.match(filename))
+    return os.path.normcase(os.path.abspath(filename)).startswith(_TORCH_DIR) or _skipped(filename)

@@ -37,19 +37,25 @@ made, and put a ``picklehooks::call_site(module, site, cls)`` op into it once pe
 counts the call as eager mode does. A saved program carries its sources. The call the tracer
 made (the root's) has an empty site: the line that calls the program, found when it runs.
 
+**jit.script.** A scripted program has no ``call_site`` ops (TorchScript compiles a module's
+hooks once, not per call): a record its ops make without one asks the log
+(:meth:`Sources._script_site`), which reads the program's graphs once
+(:func:`picklehooks.capture.script_sites.scripted_source`): each module call there keeps its source range.
+
 The texts themselves are made by :mod:`picklehooks._sites`, part of the hook runtime (it travels
 into torch.package archives).
 
-Limits: ``jit.script`` programs, and FX's calls of leaf modules (``nn.Linear``: called from
-the ``forward`` FX generates, with no line kept), have no source (``None``), never another
-form's line. A module called recursively (from inside its own call) may get its calls' sources
+Limits: FX's calls of leaf modules (``nn.Linear``: called from the ``forward`` FX generates,
+with no line kept), and a scripted program's calls inside a loop or branch of its graph, have no
+source (``None``), never another form's line. A module called recursively (from inside its own call) may get its calls' sources
 swapped; under ``torch.compile``, where Inductor can reorder a graph's record ops (see the
 limitations page), so may a module called twice.
 """
 
 from __future__ import annotations
 
-from .._sites import caller_source, describe_class, run_site, scripted_source, traced_text
+from .._sites import caller_source, describe_class, run_site, traced_text
+from .script_sites import scripted_source
 
 __all__ = ["caller_source", "describe_class", "graph_source", "traced_source"]
 
@@ -125,7 +131,7 @@ class Sources:
     def _script_site(self, module: str, kind: str, path: str) -> None:
         """A program's op recorded (or counted) a value of ``module`` without a site: a scripted
         program's, which has no ``call_site`` ops (or one traced before they existed). Its source
-        comes from the program's graphs (:func:`picklehooks._sites.scripted_source`), once per
+        comes from the program's graphs (:func:`picklehooks.capture.script_sites.scripted_source`), once per
         ``(module, call)`` (called by the op's kernel, by name)."""
         key = (module, self._last_call(module, kind, path))
         if key not in self._sources:
