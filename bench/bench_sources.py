@@ -16,9 +16,10 @@ GPT-2-sized model from a config (2 layers, n_embd 64; skipped without ``transfor
 
 A second table: programs that ``jit.trace`` and ``torch.export`` made of the instrumented MLP,
 whose graphs carry a ``picklehooks::call_site`` op per module call, against the same programs
-traced without those ops (the hook runtime's op handle set to None while tracing: what they
-cost before sources), idle and recording, forward+backward, as ratios to the program made
-of the plain MLP.
+traced without those ops (the hook runtime's op handle set to None while tracing: programs made
+before sources, whose records now get theirs from the program's graphs under ``jit.trace`` and
+none under ``torch.export``), idle and recording, forward+backward, as ratios to the program
+made of the plain MLP.
 
 ``torch.set_num_threads(1)``; nothing is asserted.
 """
