@@ -82,7 +82,6 @@ class _ScriptSites:
         self.sites: dict[str, list] = {}
         self.unsure: set[str] = set()
         self.classes: dict[str, str] = {}
-        self.root_name = None
         by_path = {path: mod for path, mod in root.named_modules()}
         self.names = {path: _picklehooks_name(mod) for path, mod in by_path.items()}
         self.root_name = self.names.get("")

@@ -219,3 +219,27 @@ def test_a_scripted_program_loaded_in_a_fresh_process_records_the_same_sources(t
     out = run_fresh(_SCRIPT_CHILD.format(repo=REPO), str(tmp_path / "model.pt"), str(tmp_path / "x.pt"), cwd=REPO)
     got = json.loads(out.strip().splitlines()[-1])
     assert got and all(source == want[(module, call)] for module, _, _, call, source in got), got
+
+
+@pytest.mark.parametrize("form", ["trace", "export"])
+def test_a_packaged_model_traced_there_records_eager_sources(form, tmp_path):
+    """Loaded from a torch.package archive (whose modules are ``<torch_package_N>.…``, and whose copy
+    of the hook runtime makes the texts while tracing), then traced or exported: the same files."""
+    from torch.package import PackageImporter
+
+    import picklehooks.serialize.package
+
+    torch.manual_seed(0)
+    plain = small.ThreePlaces()
+    model = small.ThreePlaces()
+    model.load_state_dict(plain.state_dict())
+    want = _expected(plain, _three_places_step)
+    picklehooks.instrument(model, modules=["", "*"], capture=("output", "grad_output"))
+    picklehooks.serialize.package.save(tmp_path / "model.pt", model)
+    loaded = PackageImporter(tmp_path / "model.pt").load_pickle("model", "model.pkl")
+    assert type(loaded).__module__.startswith("<torch_package_")
+    run = _in_form(loaded, form, small.inputs("mlp"))
+    with picklehooks.record() as log:
+        _three_places_step(run)
+    _check(log, want)
+    assert None not in _sources_by_key(log).values()
