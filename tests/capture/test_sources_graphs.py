@@ -35,14 +35,19 @@ def _in_form(model, form: str, args: tuple = (), kwargs: dict | None = None):
     return torch.export.export(model, args, kwargs).module()
 
 
+def _two_three_places() -> tuple:
+    """Two ``ThreePlaces`` with the same weights: the plain one (for the ground truth) and one to instrument."""
+    torch.manual_seed(0)
+    plain, model = small.ThreePlaces(), small.ThreePlaces()
+    model.load_state_dict(plain.state_dict())
+    return plain, model
+
+
 @pytest.mark.parametrize("form", ["trace", "export", "script"])
 def test_three_places_each_call_has_its_line(form):
     """One Identity called from three lines (one in a loop), blocks called in a loop: every record of
     the traced program has its call's line, the root's the line that calls the program."""
-    torch.manual_seed(0)
-    plain = small.ThreePlaces()
-    model = small.ThreePlaces()
-    model.load_state_dict(plain.state_dict())
+    plain, model = _two_three_places()
     want = _expected(plain, _three_places_step)
     picklehooks.instrument(model, modules=["", "*"], capture=CAPTURE, scriptable=form == "script")
     run = _in_form(model, form, small.inputs("mlp"))
@@ -100,10 +105,7 @@ print(json.dumps(sorted(["|".join(map(str, r.key)), r.source] for r in log.recor
 def test_a_saved_program_loaded_in_a_fresh_process_records_the_same_sources(form, tmp_path):
     """Carried by the saved program (its ops' arguments), not looked up where it loads: the child
     has no instrumented model, only the file."""
-    torch.manual_seed(0)
-    plain = small.ThreePlaces()
-    model = small.ThreePlaces()
-    model.load_state_dict(plain.state_dict())
+    plain, model = _two_three_places()
     want = _expected(plain, _three_places_step)
     picklehooks.instrument(model, modules=["", "*"], capture=("output", "grad_output"))
     x = small.inputs("mlp")
@@ -120,10 +122,7 @@ def test_fx_names_the_calls_it_traces_through_and_no_other():
     """FX traces through a user's module (its hooks run while tracing: the graph gets their sites) and
     calls torch.nn's leaf modules from the ``forward`` it generates, keeping no line for them: those
     records have no source, rather than a wrong one."""
-    torch.manual_seed(0)
-    plain = small.ThreePlaces()
-    model = small.ThreePlaces()
-    model.load_state_dict(plain.state_dict())
+    plain, model = _two_three_places()
     want = _expected(plain, _three_places_step)
     picklehooks.instrument(model, capture=("input", "output"))
     traced = torch.fx.symbolic_trace(model)
@@ -205,10 +204,7 @@ def test_a_scripted_program_loaded_in_a_fresh_process_records_the_same_sources(t
 
     from tests.contract.frozen_v3_step import run_step
 
-    torch.manual_seed(0)
-    plain = small.ThreePlaces()
-    model = small.ThreePlaces()
-    model.load_state_dict(plain.state_dict())
+    plain, model = _two_three_places()
     (x,) = small.inputs("mlp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (run_step's record() sees nothing on the plain model)
@@ -229,10 +225,7 @@ def test_a_packaged_model_traced_there_records_eager_sources(form, tmp_path):
 
     import picklehooks.serialize.package
 
-    torch.manual_seed(0)
-    plain = small.ThreePlaces()
-    model = small.ThreePlaces()
-    model.load_state_dict(plain.state_dict())
+    plain, model = _two_three_places()
     want = _expected(plain, _three_places_step)
     picklehooks.instrument(model, modules=["", "*"], capture=("output", "grad_output"))
     picklehooks.serialize.package.save(tmp_path / "model.pt", model)
