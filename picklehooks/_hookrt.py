@@ -384,12 +384,10 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
     if _dynamo_compiling():
         if not flags & _GUARD and _compiled_idle():
             return None
-        _trace_call_site(module, _name_of(module), False)
-        return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
+        return _traced_output(module, output, flags, inputs)
     if _compiler._is_compiling_flag or _fx._is_fx_tracing_flag or _is_jit_tracing():
         # _tracing() (see _dynamo_compiling); first, as in skip()
-        _trace_call_site(module, _name_of(module), False)
-        return tap_tree(output, _name_of(module), "output", "", flags & ~_INPUT_GRAD, inputs)
+        return _traced_output(module, output, flags, inputs)
     if _SWAPPED:  # the caller's tensors, which the pre-hook replaced by views in its containers
         _swaps.restore(module)
     if _VIEWS:  # hooked views, which this module or its caller may have changed in place since
@@ -427,6 +425,13 @@ def forward(module, output, flags: int, inputs: tuple | None = None):
 
 
 # -- gradient surgery (picklehooks.diagnostics.surgery), outside TorchScript ----------------------
+
+def _traced_output(module, output, flags: int, inputs: tuple | None):
+    """The forward hook in a graph being traced: the call's site, if its pre-hook gave none; the output's taps."""
+    name = _name_of(module)
+    _trace_call_site(module, name, False)
+    return tap_tree(output, name, "output", "", flags & ~_INPUT_GRAD, inputs)
+
 
 def clamp_tree(output, lo: float | None, hi: float | None):
     """Forward-hook body of ``clamp_grad``: route every tensor of the output through the clamping op."""

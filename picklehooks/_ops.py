@@ -222,16 +222,15 @@ def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str,
 
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
     # Schemas have no list-of-str type, so the names arrive comma-joined.
-    log = _active_log() if flags >> _SITE_SHIFT else None
-    last = None
+    log, sited, last = _active_log(), flags >> _SITE_SHIFT, None
     for name, value in zip(names.split(","), values):
         if value is not None:
             _deliver(value, module, kind, name, flags)
-            if log is not None:
+            if sited and log is not None:
                 _note_site(log, module, kind, name, flags)
             last = name
-    if last is not None and not flags >> _SITE_SHIFT and (log := _active_log()) is not None:
-        _script_site(log, module, kind, last)
+    if last is not None and not sited and log is not None:
+        _script_site(log, module, kind, last)  # one per call: the source is the call's
 
 
 def _call_site_kernel(module: str, site: str, cls: str) -> None:

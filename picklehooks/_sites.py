@@ -73,15 +73,18 @@ def _file_name(code, module_name: str | None) -> str:
     key = (code.co_filename, module_name)
     name = _FILES.get(key)
     if name is None:
-        plain = _MANGLED.sub("", module_name or "")
-        if not plain or plain == "__main__":
-            name = os.path.basename(_MANGLED.sub("", code.co_filename))
-        elif os.path.basename(code.co_filename) == "__init__.py":
-            name = plain.replace(".", "/") + "/__init__.py"
-        else:
-            name = plain.replace(".", "/") + ".py"
-        _FILES[key] = name
+        name = _FILES[key] = module_file(_MANGLED.sub("", code.co_filename), _MANGLED.sub("", module_name or ""))
     return name
+
+
+def module_file(filename: str, module_name: str | None) -> str:
+    """The name records give ``filename``, the file of module ``module_name``: ``a/b.py`` or
+    ``a/b/__init__.py`` (the same in every process), its own name for ``__main__`` or no module."""
+    if not module_name or module_name == "__main__":
+        return os.path.basename(filename)
+    if os.path.basename(filename) == "__init__.py":
+        return module_name.replace(".", "/") + "/__init__.py"
+    return module_name.replace(".", "/") + ".py"
 
 
 def _own_call(frame) -> bool:
@@ -106,12 +109,18 @@ def traced_text(frames: tuple) -> str | None:
     """The source of a value a ``torch.compile`` graph records, from :func:`dynamo_frames` when its
     site was drawn, by the rule :func:`caller_source` walks a live stack with."""
     cls = next((c for *_, c in frames if c is not None), None)
-    for code, line, module_globals, own_call, _ in frames:
-        if _skipped(code.co_filename) or (own_call and code.co_name == "__call__"):
-            continue
-        site = site_text(code, line, module_globals)
-        return None if site is None or cls is None else f"{site} ({describe_class(cls)})"
-    return None
+    caller = _traced_caller(frames)
+    if caller is None or cls is None:
+        return None
+    site = site_text(*caller[:3])
+    return None if site is None else f"{site} ({describe_class(cls)})"
+
+
+def _traced_caller(frames: tuple) -> tuple | None:
+    """The first of :func:`dynamo_frames`' frames that is none of the call machinery (the rule of
+    :func:`caller_source`), or None."""
+    return next((f for f in frames if not (_skipped(f[0].co_filename) or (f[3] and f[0].co_name == "__call__"))),
+                None)
 
 
 _MISSING = object()
@@ -161,18 +170,21 @@ def _class_text(cls: type) -> str:
     if method is None:
         return cls.__qualname__
     code = method.__code__
-    tree = _parsed(code.co_filename, method.__globals__)
-    inside = code.co_firstlineno
+    line = class_line(_parsed(code.co_filename, method.__globals__), cls.__name__, code.co_firstlineno)
+    if line is None:
+        return cls.__qualname__
+    return f"{cls.__qualname__}, {_file_name(code, method.__globals__.get('__name__'))}:{line}"
+
+
+def class_line(tree: ast.Module | None, name: str, inside: int) -> int | None:
+    """The line of the innermost ``class name`` statement around line ``inside`` of ``tree``, as
+    ``inspect.getsourcelines`` gives it (its first decorator's line, if any); None if there is none."""
     best = None
     for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.ClassDef) and node.name == cls.__name__ \
-                and node.lineno <= inside <= (node.end_lineno or inside):
-            if best is None or node.lineno > best.lineno:  # the innermost
+        if isinstance(node, ast.ClassDef) and node.name == name and node.lineno <= inside <= (node.end_lineno or inside):
+            if best is None or node.lineno > best.lineno:
                 best = node
-    if best is None:
-        return cls.__qualname__
-    line = best.decorator_list[0].lineno if best.decorator_list else best.lineno
-    return f"{cls.__qualname__}, {_file_name(code, method.__globals__.get('__name__'))}:{line}"
+    return None if best is None else (best.decorator_list[0].lineno if best.decorator_list else best.lineno)
 
 
 _TREES: dict[str, ast.Module | None] = {}
@@ -290,14 +302,11 @@ def dynamo_call_site(name: str, pre: bool) -> tuple[str, str] | None:
     cls = next((c for *_, c in frames if c is not None), None) if frames else None
     if cls is None:
         return None
-    for code, line, module_globals, own_call, _ in frames:
-        if _skipped(code.co_filename) or (own_call and code.co_name == "__call__"):
-            continue
-        if _tracer_frame(code.co_filename):
-            break
-        site = site_text(code, line, module_globals)
-        return None if site is None else (site, describe_class(cls))
-    return "", describe_class(cls)
+    caller = _traced_caller(frames)
+    if caller is None or _tracer_frame(caller[0].co_filename):
+        return "", describe_class(cls)
+    site = site_text(*caller[:3])
+    return None if site is None else (site, describe_class(cls))
 
 
 # What torch.compiler.assume_constant_result sets, without importing torch._dynamo: Dynamo calls

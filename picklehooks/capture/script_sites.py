@@ -33,14 +33,14 @@ import weakref
 
 import torch
 
-from .._sites import _frame, _parsed, describe_class, run_site
+from .._sites import _frame, _parsed, class_line, describe_class, module_file, run_site
 
 __all__ = ["scripted_source"]
 
 _RANGE = re.compile(r'File "(.+)", line (\d+)')
 _MANGLE = re.compile(r"\.___torch_mangle_\d+")
 _SYS_MODULES = importlib.import_module("sys").modules  # (sys itself can't be imported in an archive)
-_BY_FILE: dict[str, str] = {}  # normcased file path -> the module loaded from it
+_BY_FILE: dict[str, str | None] = {}  # normcased file path -> the module loaded from it (None: none)
 _SCRIPTED = weakref.WeakKeyDictionary()  # a scripted program's root -> its _ScriptSites
 _TORCH_MODULE = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
 
@@ -160,16 +160,8 @@ def _script_class(module) -> str:
         for node in module._c._get_method("forward").graph.nodes():
             match = _RANGE.search(node.sourceRange())
             if match:
-                tree = _parsed(match.group(1), {})
-                line = int(match.group(2))
-                best = None
-                for statement in ast.walk(tree) if tree is not None else ():
-                    if isinstance(statement, ast.ClassDef) and statement.name == name \
-                            and statement.lineno <= line <= (statement.end_lineno or line):
-                        if best is None or statement.lineno > best.lineno:
-                            best = statement
-                if best is not None:
-                    at = best.decorator_list[0].lineno if best.decorator_list else best.lineno
+                at = class_line(_parsed(match.group(1), {}), name, int(match.group(2)))
+                if at is not None:
                     return f"{module.original_name}, {_file_label(match.group(1), where)}:{at}"
                 break
     return module.original_name
@@ -179,19 +171,16 @@ def _file_label(filename: str, hint: str | None = None) -> str:
     """A file as records name it (see :func:`_file_name`): by the module loaded from it; else by
     ``hint`` (the module a scripted class came from) where the file is that module's; else its name."""
     path = os.path.normcase(os.path.abspath(filename))
-    if path not in _BY_FILE:
+    if path not in _BY_FILE:  # (once per file: one loaded later than the first look stays unnamed by it)
         _BY_FILE.update((os.path.normcase(os.path.abspath(f)), n) for n, m in list(_SYS_MODULES.items())
                         if isinstance(f := getattr(m, "__file__", None), str))
-    module_name = _BY_FILE.get(path)
+        _BY_FILE.setdefault(path, None)
+    module_name = _BY_FILE[path]
     if module_name is None and hint:
         stem = os.path.normcase(os.path.join(*hint.split(".")))
         if path.endswith(os.sep + stem + ".py") or path.endswith(os.sep + os.path.join(stem, "__init__.py")):
             module_name = hint
-    if not module_name or module_name == "__main__":
-        return os.path.basename(filename)
-    if os.path.basename(filename) == "__init__.py":
-        return module_name.replace(".", "/") + "/__init__.py"
-    return module_name.replace(".", "/") + ".py"
+    return module_file(filename, module_name)
 
 
 def _file_site(filename: str, line: int, hint: str | None = None) -> str | None:

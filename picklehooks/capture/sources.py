@@ -111,20 +111,21 @@ class Sources:
             return
         if pre:
             self._begun.add(name)
+        key = self._count_call(name)
+        if key not in self._sources:
+            self._sources[key] = caller_source(type(module), 2)
+
+    def _count_call(self, name: str) -> tuple[str, int]:
+        """``(name, call)`` of the call of module ``name`` that begins: counted here."""
         invocations = self._invocations
         call = invocations.get(name, 0)
         invocations[name] = call + 1
-        key = (name, call)
-        if key not in self._sources:
-            self._sources[key] = caller_source(type(module), 2)
+        return name, call
 
     def _call_site(self, module: str, site: str, cls: str) -> None:
         """A traced program (``jit.trace``, FX, ``torch.export``) calls ``module``: its graph's
         ``call_site`` op says from where (called by the op's kernel, by name). Counts the call."""
-        invocations = self._invocations
-        call = invocations.get(module, 0)
-        invocations[module] = call + 1
-        key = (module, call)
+        key = self._count_call(module)
         if key not in self._sources:
             self._sources[key] = graph_source(site, cls)
 
