@@ -20,7 +20,7 @@ def _columns(records: list[Record], rows: list[tuple], rank: int | None, sources
     """Columns of a sink part (:data:`picklehooks.capture.sink.COLUMNS`) from Records and from compact rows
     (the records first, as they were recorded first), and the kept tensors by row number. ``sources``:
     the log's ``(module, call) -> source`` (see :mod:`picklehooks.capture.sources`), for the rows."""
-    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:11]}
+    columns: dict[str, list] = {name: [] for name in _sink.COLUMNS[:_sink.COLUMNS.index("rank") + 1]}
     stats, tensors = [], {}
     for i, r in enumerate(records):
         for name, value in zip(columns, (r.module, r.kind, r.path, r.call, r.step,
