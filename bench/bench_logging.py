@@ -51,7 +51,11 @@ Sections (``--only`` takes a comma-separated subset; default all):
   the kernel's statistics (idle, recording, the floor; issue #38's targets:
   idle ≤ 1.02×, recording ≤ the floor + 0.05), then the graph's statistics
   and the eager model (the switch, flipped between them, makes Dynamo check
-  guards in full at the next call: kept apart, that costs no variant).
+  guards in full at the next call: kept apart, that costs no variant). Each
+  table's recording variant is also timed as compiled without
+  ``picklehooks.capture.batching``'s pass (Inductor's post-grad passes
+  patched to none while it compiles): one ``record`` op per record, as
+  before the graph's records became one call.
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
@@ -138,6 +142,7 @@ working while the internals change.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -179,6 +184,7 @@ C_QUIET = "compiled instrumented, not recording (statistics by the record op's k
 C_STATS = "compiled instrumented, recording stats (by the record op's kernel, + reading them)"
 C_GQUIET = "compiled instrumented, not recording (statistics by the graph)"
 C_GSTATS = "compiled instrumented, recording stats (by the graph, + reading them)"
+C_UNBATCHED = "the same, one op per record (record batching off: before #38's batching)"
 C_EAGER = "eager plain model (reference)"
 C_FLOOR = "compiled plain model, then the native statistics of as many values of the same sizes (floor)"
 
@@ -698,6 +704,8 @@ def compile_section(setup: Setup) -> None:
     import tempfile
     import types
 
+    from torch._inductor import config as inductor_config
+
     from picklehooks import _taps
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
@@ -743,13 +751,16 @@ def compile_section(setup: Setup) -> None:
         progress(f"measuring: {phase} (compiling)")
         plain = torch.compile(own_class(copy.deepcopy(model), 0), fullgraph=True)
         compiled = {}
-        for i, in_graph in ((1, False), (2, True)):
+        for i, (in_graph, batched) in enumerate(itertools.product((False, True), (True, False)), start=1):
             hooked = own_class(copy.deepcopy(model), i)
             picklehooks.instrument(hooked)
             run = workload(torch.compile(hooked, fullgraph=True), task, backward)
-            with_flag(run, in_graph)()
-            with_flag(recording(run, read_stats=True), in_graph)()  # backward graphs compile on the first backward
-            compiled[in_graph] = run
+            with contextlib.ExitStack() as stack:
+                if not batched:  # (the pass is set up while the first recording graph is traced)
+                    stack.enter_context(inductor_config.patch(post_grad_custom_post_pass=None))
+                with_flag(run, in_graph)()
+                with_flag(recording(run, read_stats=True), in_graph)()  # backward graphs compile on the first backward
+            compiled[in_graph, batched] = run
         # Two groups, each against the compiled plain model in the same run: the statistics switch
         # changes picklehooks._taps' globals, and each change makes Dynamo check a graph's guards in
         # full at its next call; rotating through more models also starts each sample with the
@@ -758,11 +769,12 @@ def compile_section(setup: Setup) -> None:
         # the idle variant at 1.12-1.23x; alone with the plain model and recording: 1.03x.)
         kernel = {
             C_BASE: workload(plain, task, backward),
-            C_QUIET: with_flag(compiled[False], False),
-            C_STATS: with_flag(recording(compiled[False], read_stats=True), False),
+            C_QUIET: with_flag(compiled[False, True], False),
+            C_STATS: with_flag(recording(compiled[False, True], read_stats=True), False),
+            C_UNBATCHED: with_flag(recording(compiled[False, False], read_stats=True), False),
         }
         if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
-            kernel[C_FLOOR] = statistics_floor(kernel[C_BASE], compiled[False])
+            kernel[C_FLOOR] = statistics_floor(kernel[C_BASE], compiled[False, True])
         times = measure(kernel, setup, warmup=5)
         targets = {C_QUIET: 1.02}
         if C_FLOOR in times:
@@ -772,8 +784,9 @@ def compile_section(setup: Setup) -> None:
               summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
         graph = {
             C_BASE: workload(plain, task, backward),
-            C_GQUIET: with_flag(compiled[True], True),
-            C_GSTATS: with_flag(recording(compiled[True], read_stats=True), True),
+            C_GQUIET: with_flag(compiled[True, True], True),
+            C_GSTATS: with_flag(recording(compiled[True, True], read_stats=True), True),
+            C_UNBATCHED: with_flag(recording(compiled[True, False], read_stats=True), True),
             C_EAGER: workload(copy.deepcopy(model), task, backward),
         }
         times = measure(graph, setup, warmup=5)

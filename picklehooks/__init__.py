@@ -40,6 +40,7 @@ from ._ops import NonfiniteError
 from .serialize import codec
 from .capture.instrument import Instrumentation, instrument
 from .capture.log import Log, Record, record
+from .capture import batching as _batching  # noqa: F401 - sets up Inductor's record batching when a graph records
 from .capture.hookfile import load_hooks, save_hooks
 from .serialize.portable import is_portable, portable
 from .audit.weights_only import safe_globals

@@ -54,9 +54,12 @@ Gradients need an op in the dataflow, whose autograd formula sees them:
 :data:`PARAM_GRAD`, :data:`GUARD`, :data:`COUNTED`; a gradient tap's site
 number sits above them (see ``_tap_setup``).
 
-Limits: Inductor in torch 2.13 loses the ordering edges between effectful
-ops (pytorch/pytorch#189209), so a compiled graph may run record ops out of
-program order. The ops are registered when picklehooks is imported; a
+* ``picklehooks::record_batch(values, modules, kinds, paths, flags, dtypes, shapes)``: what
+  Inductor runs for a run of ``record``/``record_stats`` ops in a ``torch.compile`` graph
+  (merged by :mod:`picklehooks.capture.batching`, never saved in an artifact): each in program
+  order, which Inductor in torch 2.13 does not keep between effect ops (pytorch/pytorch#189209).
+
+Limits: the ops are registered when picklehooks is imported; a
 process that loads a scripted or exported instrumented model must import
 picklehooks first. Gradient capture costs one copy per tapped tensor in graphs. Under
 ``torch.compile`` a tap whose call the ``record`` op counted is a clone Inductor fuses
@@ -220,6 +223,21 @@ def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str,
             _note_site(log, module, kind, path, flags)
 
 
+def _record_batch_kernel(values: list, modules: list, kinds: list, paths: list, flags: list, dtypes: list,
+                         shapes: list) -> None:
+    # A compiled graph's run of record and record_stats ops, merged into one call by
+    # picklehooks.capture.batching: each in program order. A record_stats item names its value's
+    # dtype; its shape follows in ``shapes`` after its rank.
+    at = 0
+    for x, module, kind, path, flag, dtype in zip(values, modules, kinds, paths, flags, dtypes):
+        if dtype:
+            rank = shapes[at]
+            _record_stats_kernel(x, module, kind, path, flag, shapes[at + 1:at + 1 + rank], getattr(torch, dtype))
+            at += 1 + rank
+        else:
+            _record_kernel(x, module, kind, path, flag)
+
+
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
     # Schemas have no list-of-str type, so the names arrive comma-joined.
     log, sited, last = _active_log(), flags >> _SITE_SHIFT, None
@@ -265,6 +283,10 @@ _EFFECT_OPS = {
     # computed the statistics (picklehooks._stats.graph_stats); the value's shape and dtype name it.
     "record_stats": ("record_stats(Tensor stats, str module, str kind, str path, int flags, SymInt[] shape, "
                      "ScalarType dtype) -> ()", _record_stats_kernel),
+    # What Inductor runs instead of a run of record and record_stats ops in a compiled graph: one
+    # trip into Python, not one per value (picklehooks.capture.batching).
+    "record_batch": ("record_batch(Tensor[] values, str[] modules, str[] kinds, str[] paths, int[] flags, "
+                     "str[] dtypes, SymInt[] shapes) -> ()", _record_batch_kernel),
     "record_state": ("record_state(Tensor?[] values, str module, str kind, str names, int flags) -> ()",
                      _record_state_kernel),
     # Where a traced program calls a module from (see picklehooks._sites): once per call.
@@ -410,6 +432,22 @@ _TAP_OPS = {
 }
 
 
+#: What a graph being traced with an effect op in it calls, once each (the host package adds
+#: picklehooks.capture.batching.install: Inductor's pass is set up only where a graph records).
+_ON_TRACE: list = []
+
+
+def _effect_fake(*args) -> None:
+    while _ON_TRACE:
+        try:
+            _ON_TRACE.pop()()
+        except Exception as exc:  # an optimization only: tracing goes on without it
+            import warnings
+
+            warnings.warn(f"picklehooks: setting up compiled graphs' record batching failed ({exc!r}); "
+                          "each record stays its own op", RuntimeWarning, stacklevel=2)
+
+
 def _define_library_ops() -> None:
     """Register the ops defined through one kept ``Library``: ``tap``/``tap_grad``, the effect ops, ``active``."""
     global _LIBRARY
@@ -422,7 +460,7 @@ def _define_library_ops() -> None:
     for name, (schema, kernel) in _EFFECT_OPS.items():
         lib.define(schema, alias_analysis="CONSERVATIVE")
         lib.impl(name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{_NAMESPACE}::{name}", lambda *args: None, lib=lib)
+        torch.library.register_fake(f"{_NAMESPACE}::{name}", _effect_fake, lib=lib)
         _register_ordered_effect(getattr(torch.ops.picklehooks, name).default)
     # Whether any log records: what a scripted hook asks first (TorchScript can't read
     # Python state otherwise). Not an effect op: graphs other than TorchScript's never call

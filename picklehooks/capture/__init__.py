@@ -11,7 +11,9 @@
   :mod:`~picklehooks.capture.pending` (batched statistics on the device),
   :mod:`~picklehooks.capture.record` (``Record``), :mod:`~picklehooks.capture.table`
   (tables and filters), :mod:`~picklehooks.capture.logfile` (``Log.save``'s files),
-  :mod:`~picklehooks.capture.sink` (the Parquet sink).
+  :mod:`~picklehooks.capture.sink` (the Parquet sink);
+* :mod:`~picklehooks.capture.batching`: Inductor's pass that makes a compiled graph's records
+  one host call.
 
 Imports the pinned runtime and :mod:`picklehooks.serialize`; never diagnostics or integrations
 (``Log.to_tensorboard``, ``Log.to_mlflow``, ``Log.vjp`` and ``Log.jacobian_norm`` are thin

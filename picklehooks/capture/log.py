@@ -343,7 +343,10 @@ class Recording:
                 "A model made by from_pretrained() or torch.load of a state dict has none of the hooks the "
                 "saved model had; attach them with picklehooks.load_hooks(model, path, trust=...) or "
                 "picklehooks.instrument(model, spec=...). A model that captures only gradients records "
-                "nothing in a block without a backward pass (a forward under no_grad, say)",
+                "nothing in a block without a backward pass (a forward under no_grad, say). A torch.compile'd "
+                "model whose forward Dynamo compiled before for a model without these hooks (a plain copy of the "
+                "same class) runs that graph: Dynamo doesn't guard on module hooks "
+                "(torch._dynamo.config.skip_nnmodule_hook_guards); call torch._dynamo.reset() before compiling it",
                 UserWarning, stacklevel=2)
 
 

@@ -189,3 +189,24 @@ def test_transformers_callback_every_n_steps_on_a_compiled_model_compiles_twice(
     for r in callback.recorded.records:
         per_step[r.step] = per_step.get(r.step, 0) + 1
     assert sorted(per_step) == [2, 4, 6, 8, 10] and len(set(per_step.values())) == 1
+
+
+def test_a_plain_copy_compiled_first_is_named_in_the_warning(fresh_dynamo):
+    """Dynamo doesn't guard on module hooks, so an instrumented copy compiled after a plain model of
+    its class runs the plain graph and records nothing: record() warns with the fix, and after
+    torch._dynamo.reset() the copy records what the plain model computes."""
+    plain = _SharedOnTwoBranches()
+    hooked = copy.deepcopy(plain)
+    picklehooks.instrument(hooked, capture="output")
+    x = torch.randn(2, 3)
+    want = plain(x)
+    torch.compile(plain, fullgraph=True)(x)
+    with pytest.warns(UserWarning, match=r"torch\._dynamo\.reset\(\) before compiling"):
+        with picklehooks.record() as log:
+            torch.compile(hooked, fullgraph=True)(x)
+    assert log.records == []
+    torch._dynamo.reset()
+    with picklehooks.record() as log:
+        torch.compile(hooked, fullgraph=True)(x)
+    (act,) = [r for r in log.records if r.module == "act"]
+    assert act.stats["mean"] == pytest.approx(want.mean().item(), rel=1e-5)
