@@ -49,13 +49,16 @@ Sections (``--only`` takes a comma-separated subset; default all):
   records, of the same shapes (views of one random buffer; CPU, with the
   extension). Two tables per workload, each against the compiled plain model:
   the kernel's statistics (idle, recording, the floor; issue #38's targets:
-  idle ≤ 1.02×, recording ≤ the floor + 0.05), then the graph's statistics
+  idle ≤ 1.02×, recording ≤ the floor + 0.05; and a second compiled plain
+  model, whose ratio shows how far two models running the same graph differ
+  here, which is what idle is judged against), then the graph's statistics
   and the eager model (the switch, flipped between them, makes Dynamo check
-  guards in full at the next call: kept apart, that costs no variant). Each
-  table's recording variant is also timed as compiled without
-  ``picklehooks.capture.batching``'s pass (Inductor's post-grad passes
-  patched to none while it compiles): one ``record`` op per record, as
-  before the graph's records became one call.
+  guards in full at the next call: kept apart, that costs no variant). Beside
+  each recording variant, the same compiled under another setting of
+  ``picklehooks.capture.batching``: with the kernel's statistics, CPU values
+  batched too (``CPU_VALUES``: one op per graph, each value read at its
+  end); with the graph's, batching off (``ENABLED``: one op per record, as
+  before #38's batching).
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
@@ -142,7 +145,6 @@ working while the internals change.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import gc
@@ -180,11 +182,13 @@ T_QUIET = "traced instrumented (default capture), not recording"
 T_STATS = "traced instrumented, recording stats (+ reading them)"
 S_EAGER = "eager plain model (reference)"
 C_BASE = "compiled plain model"
+C_CONTROL = "another compiled plain model, the same graph (control: how far two identical models differ)"
 C_QUIET = "compiled instrumented, not recording (statistics by the record op's kernel)"
 C_STATS = "compiled instrumented, recording stats (by the record op's kernel, + reading them)"
 C_GQUIET = "compiled instrumented, not recording (statistics by the graph)"
 C_GSTATS = "compiled instrumented, recording stats (by the graph, + reading them)"
-C_UNBATCHED = "the same, one op per record (record batching off: before #38's batching)"
+C_CPUBATCH = "the same, CPU values batched too (batching.CPU_VALUES on: one op per graph, values read at its end)"
+C_UNBATCHED = "the same, one op per record (batching.ENABLED off: before #38's batching)"
 C_EAGER = "eager plain model (reference)"
 C_FLOOR = "compiled plain model, then the native statistics of as many values of the same sizes (floor)"
 
@@ -704,9 +708,8 @@ def compile_section(setup: Setup) -> None:
     import tempfile
     import types
 
-    from torch._inductor import config as inductor_config
-
     from picklehooks import _taps
+    from picklehooks.capture import batching
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
     # Each instrumented variant compiles 2 graphs (idle and recording) x grad modes, and the
@@ -751,30 +754,34 @@ def compile_section(setup: Setup) -> None:
         progress(f"measuring: {phase} (compiling)")
         plain = torch.compile(own_class(copy.deepcopy(model), 0), fullgraph=True)
         compiled = {}
-        for i, (in_graph, batched) in enumerate(itertools.product((False, True), (True, False)), start=1):
+        # (statistics by the graph, batching.ENABLED, batching.CPU_VALUES): each read while its graphs compile.
+        for i, key in enumerate(((False, True, False), (False, True, True), (True, True, False), (True, False, False)),
+                                start=1):
             hooked = own_class(copy.deepcopy(model), i)
             picklehooks.instrument(hooked)
             run = workload(torch.compile(hooked, fullgraph=True), task, backward)
-            with contextlib.ExitStack() as stack:
-                if not batched:  # (the pass is set up while the first recording graph is traced)
-                    stack.enter_context(inductor_config.patch(post_grad_custom_post_pass=None))
-                with_flag(run, in_graph)()
-                with_flag(recording(run, read_stats=True), in_graph)()  # backward graphs compile on the first backward
-            compiled[in_graph, batched] = run
+            batching.ENABLED, batching.CPU_VALUES = key[1:]
+            with_flag(run, key[0])()
+            with_flag(recording(run, read_stats=True), key[0])()  # backward graphs compile on the first backward
+            batching.ENABLED, batching.CPU_VALUES = True, False
+            compiled[key] = run
         # Two groups, each against the compiled plain model in the same run: the statistics switch
         # changes picklehooks._taps' globals, and each change makes Dynamo check a graph's guards in
         # full at its next call; rotating through more models also starts each sample with the
         # others' weights in the caches. Within one group, what a training run sees: one model,
         # idle or recording. (Measured with the graph variants and the eager model in one rotation:
         # the idle variant at 1.12-1.23x; alone with the plain model and recording: 1.03x.)
+        control = torch.compile(own_class(copy.deepcopy(model), 9), fullgraph=True)
+        workload(control, task, backward)()
         kernel = {
             C_BASE: workload(plain, task, backward),
-            C_QUIET: with_flag(compiled[False, True], False),
-            C_STATS: with_flag(recording(compiled[False, True], read_stats=True), False),
-            C_UNBATCHED: with_flag(recording(compiled[False, False], read_stats=True), False),
+            C_CONTROL: workload(control, task, backward),
+            C_QUIET: with_flag(compiled[False, True, False], False),
+            C_STATS: with_flag(recording(compiled[False, True, False], read_stats=True), False),
+            C_CPUBATCH: with_flag(recording(compiled[False, True, True], read_stats=True), False),
         }
         if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
-            kernel[C_FLOOR] = statistics_floor(kernel[C_BASE], compiled[False, True])
+            kernel[C_FLOOR] = statistics_floor(kernel[C_BASE], compiled[False, True, False])
         times = measure(kernel, setup, warmup=5)
         targets = {C_QUIET: 1.02}
         if C_FLOOR in times:
@@ -784,9 +791,9 @@ def compile_section(setup: Setup) -> None:
               summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
         graph = {
             C_BASE: workload(plain, task, backward),
-            C_GQUIET: with_flag(compiled[True, True], True),
-            C_GSTATS: with_flag(recording(compiled[True, True], read_stats=True), True),
-            C_UNBATCHED: with_flag(recording(compiled[True, False], read_stats=True), True),
+            C_GQUIET: with_flag(compiled[True, True, False], True),
+            C_GSTATS: with_flag(recording(compiled[True, True, False], read_stats=True), True),
+            C_UNBATCHED: with_flag(recording(compiled[True, False, False], read_stats=True), True),
             C_EAGER: workload(copy.deepcopy(model), task, backward),
         }
         times = measure(graph, setup, warmup=5)

@@ -11,6 +11,9 @@ in-place modules and ``a is b`` behave as without picklehooks.
 * ``picklehooks::record_stats(stats, module, kind, path, flags, shape, dtype)``:
   record statistics that a compiled or exported graph computed itself
   (:func:`picklehooks._stats.graph_stats`) for a value of that shape and dtype.
+* ``picklehooks::record_batch(values, modules, kinds, paths, flags, dtypes, shapes)``: a run of
+  those two in a ``torch.compile`` graph, as Inductor runs it (:mod:`picklehooks.capture.batching`;
+  never in a saved artifact), in program order.
 * ``picklehooks::record_state(values, module, kind, names, flags)``: record
   parameters or buffers (``names`` comma-joined).
 * ``picklehooks::watch_one(param, module, name, flags)``: the same for one
@@ -54,24 +57,16 @@ Gradients need an op in the dataflow, whose autograd formula sees them:
 :data:`PARAM_GRAD`, :data:`GUARD`, :data:`COUNTED`; a gradient tap's site
 number sits above them (see ``_tap_setup``).
 
-* ``picklehooks::record_batch(values, modules, kinds, paths, flags, dtypes, shapes)``: what
-  Inductor runs for a run of ``record``/``record_stats`` ops in a ``torch.compile`` graph
-  (merged by :mod:`picklehooks.capture.batching`, never saved in an artifact): each in program
-  order, which Inductor in torch 2.13 does not keep between effect ops (pytorch/pytorch#189209).
-
-Limits: the ops are registered when picklehooks is imported; a
-process that loads a scripted or exported instrumented model must import
-picklehooks first. Gradient capture costs one copy per tapped tensor in graphs. Under
+Limits: a process that loads a scripted or exported instrumented model must import
+picklehooks first (it registers the ops). Gradient capture costs one copy per tapped tensor in graphs. Under
 ``torch.compile`` a tap whose call the ``record`` op counted is a clone Inductor fuses
 (:class:`_GradOnlyTap`); the ``tap`` op's copy elsewhere keeps the strides it was traced
 with, so Inductor may copy a channels-last value back to contiguous for it and sum the next
 reduction in another order (gradients then differ in the last bits); eager hooks skip the
-ops entirely while nothing records. Only ``active`` has a C kernel:
-the others need Python while a log records (the log is a Python object), and a kernel
-registered through libtorch's stable C shim can neither raise (``GUARD``'s
-:class:`NonfiniteError`) nor pass on an exception from the Python kernel it would call, so
-graphs that call them while nothing records (``jit.trace``, ``torch.compile``) still enter
-Python for each call.
+ops entirely while nothing records. Only ``active`` has a C kernel: the others need Python
+while a log records (the log is a Python object), and a kernel registered through libtorch's
+stable C shim can neither raise (``GUARD``'s :class:`NonfiniteError`) nor pass on an
+exception from the Python kernel it would call.
 """
 
 from __future__ import annotations
@@ -225,17 +220,25 @@ def _record_stats_kernel(stats: torch.Tensor, module: str, kind: str, path: str,
 
 def _record_batch_kernel(values: list, modules: list, kinds: list, paths: list, flags: list, dtypes: list,
                          shapes: list) -> None:
-    # A compiled graph's run of record and record_stats ops, merged into one call by
-    # picklehooks.capture.batching: each in program order. A record_stats item names its value's
-    # dtype; its shape follows in ``shapes`` after its rank.
-    at = 0
-    for x, module, kind, path, flag, dtype in zip(values, modules, kinds, paths, flags, dtypes):
-        if dtype:
-            rank = shapes[at]
-            _record_stats_kernel(x, module, kind, path, flag, shapes[at + 1:at + 1 + rank], getattr(torch, dtype))
-            at += 1 + rank
-        else:
-            _record_kernel(x, module, kind, path, flag)
+    # A compiled graph's run of record and record_stats ops (picklehooks.capture.batching), in
+    # program order; a record_stats item names its dtype, its shape follows its rank in ``shapes``.
+    # The values live until this returns: the log keeps them by reference meanwhile (_lend).
+    log = _active_log()
+    lend = getattr(log, "_lend", None)  # (None: no log, or a host log of an earlier version)
+    if lend is not None:
+        lend()
+    try:
+        at = 0
+        for x, module, kind, path, flag, dtype in zip(values, modules, kinds, paths, flags, dtypes):
+            if dtype:
+                rank = shapes[at]
+                _record_stats_kernel(x, module, kind, path, flag, shapes[at + 1:at + 1 + rank], getattr(torch, dtype))
+                at += 1 + rank
+            else:
+                _record_kernel(x, module, kind, path, flag)
+    finally:
+        if lend is not None:
+            log._give_back()
 
 
 def _record_state_kernel(values: list, module: str, kind: str, names: str, flags: int) -> None:
@@ -283,8 +286,7 @@ _EFFECT_OPS = {
     # computed the statistics (picklehooks._stats.graph_stats); the value's shape and dtype name it.
     "record_stats": ("record_stats(Tensor stats, str module, str kind, str path, int flags, SymInt[] shape, "
                      "ScalarType dtype) -> ()", _record_stats_kernel),
-    # What Inductor runs instead of a run of record and record_stats ops in a compiled graph: one
-    # trip into Python, not one per value (picklehooks.capture.batching).
+    # A compiled graph's run of record and record_stats ops: one trip into Python, not one per value.
     "record_batch": ("record_batch(Tensor[] values, str[] modules, str[] kinds, str[] paths, int[] flags, "
                      "str[] dtypes, SymInt[] shapes) -> ()", _record_batch_kernel),
     "record_state": ("record_state(Tensor?[] values, str module, str kind, str names, int flags) -> ()",
@@ -432,18 +434,17 @@ _TAP_OPS = {
 }
 
 
-#: What a graph being traced with an effect op in it calls, once each (the host package adds
-#: picklehooks.capture.batching.install: Inductor's pass is set up only where a graph records).
+#: Called whenever an effect op is traced (picklehooks.capture.batching.install: cheap once set up).
 _ON_TRACE: list = []
 
 
 def _effect_fake(*args) -> None:
-    while _ON_TRACE:
+    for setup in tuple(_ON_TRACE):
         try:
-            _ON_TRACE.pop()()
+            setup()
         except Exception as exc:  # an optimization only: tracing goes on without it
+            _ON_TRACE.remove(setup)
             import warnings
-
             warnings.warn(f"picklehooks: setting up compiled graphs' record batching failed ({exc!r}); "
                           "each record stays its own op", RuntimeWarning, stacklevel=2)
 

@@ -90,11 +90,14 @@ class _Arena:
         self.rows: list[list[float]] | None = None  # on the host, once read
 
     @classmethod
-    def of_table(cls, table: torch.Tensor) -> _Arena:
-        """An arena of one record whose statistics were computed elsewhere (a compiled graph, or none to compute)."""
+    def of_table(cls, table: torch.Tensor | None) -> _Arena:
+        """An arena of records whose statistics were computed elsewhere (a compiled graph, or none to
+        compute): one record, or each row of a 2-D ``table``; ``None``: rows a lent batch stacks
+        when it is given back (:meth:`_Pending.give_back`)."""
         arena = cls.__new__(cls)
         arena.data = arena.sizes = arena.rows = None
-        arena.capacity, arena.end, arena.used, arena.table = 0, 0, 1, table.view(1, -1)
+        arena.capacity, arena.end, arena.used = 0, 0, 1 if table is None or table.dim() < 2 else len(table)
+        arena.table = None if table is None else table.view(arena.used, -1)
         return arena
 
     def add(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +282,7 @@ class _Pending:
     collector ran.
     """
 
-    __slots__ = ("filling", "unreduced", "reduced", "seen", "bytes", "watched")
+    __slots__ = ("filling", "unreduced", "reduced", "seen", "bytes", "watched", "lent")
 
     def __init__(self) -> None:
         # The batch taking new values, per (device, dtype, by reference): an _Arena or _Refs.
@@ -291,12 +294,16 @@ class _Pending:
         # (value, its version when recorded, site): values of sites seen for the first time, copied,
         # whose versions say at the next reduction whose values can be kept by reference.
         self.watched: list[tuple] = []
+        # While a compiled graph's record_batch kernel runs (lend() to give_back()): the batches
+        # holding its values, and its statistics tensors with the arena that will hold them.
+        self.lent: tuple[list, list, _Arena] | None = None
 
     def add_value(self, x: torch.Tensor, site: tuple, copy: bool = False) -> _Arena | _Refs:
         """Batch ``x``'s statistics (``x`` is the record's last row of the returned batch): kept by
         reference where its site is known to leave its values alone, else a copy of it is (see
         :data:`_SITES`); either way in its (device, dtype)'s one batch. ``copy``: always a copy
-        (a compiled graph's buffer, which Inductor may reuse with no version bump)."""
+        (a compiled graph's buffer, which Inductor may reuse with no version bump), unless the
+        graph lends it (:meth:`lend`): then kept by reference, and reduced before the loan ends."""
         if not x.numel():
             return self.add(x)[0]
         n = x.numel()
@@ -305,9 +312,10 @@ class _Pending:
             # matrix, logits over a vocabulary); a few fixed reductions a step for the largest values.
             with torch.no_grad():
                 return self.add_table(matrix_stats(x.reshape(1, -1))[0])
+        lent = self.lent
         inference = x.is_inference()
         # An inference tensor (made under torch.inference_mode) has no version counter: copied, unwatched.
-        safe = False if inference or copy else _SITES.get(site)
+        safe = True if lent is not None else False if inference or copy else _SITES.get(site)
         nbytes = _REF_FACTOR * (n + -n % PAD) * x.element_size()  # as _Refs.held() counts it
         watched = safe is None
         if watched:
@@ -324,8 +332,11 @@ class _Pending:
         if refs is None:
             refs = self.filling[key] = _Refs(x)
             self.unreduced.append(refs)
-        refs.add(x, site, x._version if safe else None)  # None: a copy made here, nobody else's
+        # None: a copy made here, nobody else's, or a lent value, which nothing changes before the loan ends.
+        refs.add(x, site, x._version if safe and lent is None else None)
         self.bytes += nbytes
+        if lent is not None:
+            lent[0].append(refs)
         return refs
 
     def add(self, x: torch.Tensor) -> tuple[_Arena, torch.Tensor]:
@@ -360,6 +371,38 @@ class _Pending:
         arena = _Arena.of_table(stats)
         self.reduced.append(arena)
         return arena
+
+    def add_graph_stats(self, stats: torch.Tensor) -> tuple[_Arena, int]:
+        """Keep statistics a compiled graph computed on the device in a buffer it reuses once its op
+        returns: a copy (one kernel), or, while the graph lends them (:meth:`lend`), one row of the
+        table stacked when the loan ends (one kernel for all). Returns (arena, row)."""
+        if self.lent is None:
+            return self.add_table(stats.clone()), 0
+        tables, arena = self.lent[1], self.lent[2]
+        tables.append(stats)
+        return arena, len(tables) - 1
+
+    def lend(self) -> None:
+        """A compiled graph's ``record_batch`` kernel starts: the values and statistics it hands over
+        stay valid until :meth:`give_back`, so they are kept by reference, not copied."""
+        self.lent = ([], [], _Arena.of_table(None))
+
+    def give_back(self) -> None:
+        """The kernel returns: reduce the batches holding its values and stack its statistics (its
+        buffers are reused from now on). No sync."""
+        groups, tables, arena = self.lent
+        self.lent = None
+        if tables:
+            arena.table, arena.used = torch.stack(tables), len(tables)
+            self.reduced.append(arena)
+        for group in dict.fromkeys(groups):
+            if group in self.unreduced:
+                group.reduce()
+                self.reduced.append(group)
+                self.unreduced.remove(group)
+        if groups:
+            self.filling = {key: a for key, a in self.filling.items() if a in self.unreduced}
+            self.bytes = sum(a.held() for a in self.unreduced)
 
     def reduce(self, everything: bool = True) -> None:
         """Turn the arenas' copies into tables on their devices (no sync). Unless ``everything``, an

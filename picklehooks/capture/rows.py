@@ -136,8 +136,19 @@ class Rows(CallPairing, Sources):
             values, src = tuple(stats.tolist()), None  # nine floats; no device to wait for
         else:
             pending = self._pending
-            values, src = None, _PendingRow((pending, pending.add_table(stats.clone()), 0))  # no sync
+            values, src = None, _PendingRow((pending, *pending.add_graph_stats(stats)))  # no sync
         self._rows.append((module, kind, path, call, self.step, shape, dtype, values, src, None, None))
+
+    def _lend(self) -> None:
+        """A compiled graph's ``record_batch`` kernel starts (called by it, by name): the values and
+        statistics it hands over stay valid until :meth:`_give_back` (see :meth:`_Pending.lend`)."""
+        self._lender = self._pending
+        self._lender.lend()
+
+    def _give_back(self) -> None:
+        """The ``record_batch`` kernel returns: what it lent is reduced now, or stacked (no sync)."""
+        lender, self._lender = self._lender, None
+        lender.give_back()
 
     def _mark_zeros_if_none(self, module: str, kind: str, path: str) -> None:
         """The gradient just recorded at this site came from a ``torch.compile`` backward, which gets
