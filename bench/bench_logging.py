@@ -58,7 +58,9 @@ Sections (``--only`` takes a comma-separated subset; default all):
   ``picklehooks.capture.batching``: with the kernel's statistics, CPU values
   batched too (``CPU_VALUES``: one op per graph, each value read at its
   end); with the graph's, batching off (``ENABLED``: one op per record, as
-  before #38's batching).
+  before #38's batching). Last (CPU), idle on models of 4 and 36
+  ``Linear(4, 4)`` at batch 1, so small that Dynamo's guards on the hooks
+  show: what idle adds per instrumented module and call.
 * ``torchlens``: TorchLens (``torchlens.trace(model, x)``, its current name
   for the old ``log_forward_pass``; it saves every activation by default), MLP
   forward only, on the CPU whatever ``--device`` says. It wraps torch's
@@ -800,6 +802,34 @@ def compile_section(setup: Setup) -> None:
         table(f"{phase}: statistics by the graph, and eager mode", times, C_BASE, setup,
               summary=f"compile {label} {'fwd+bwd' if backward else 'fwd'}")
     _taps._GRAPH_STATS_ON_CPU = saved_flag
+    if setup.device.type == "cpu":
+        idle_guards(setup, own_class)
+
+
+def idle_guards(setup: Setup, own_class: Callable[[nn.Module, int], nn.Module]) -> None:
+    """What a compiled instrumented model costs idle, where noise can't hide it: models of 4 and 36
+    ``Linear(4, 4)`` (batch 1), so small that a call is mostly Dynamo's own work. The idle graph is
+    the plain model's; the difference is Dynamo's guards on the hooks, per module and call."""
+    added = {}
+    for n in (4, 36):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n))).to(setup.device), torch.randn(1, 4)
+        plain = torch.compile(own_class(copy.deepcopy(model), 20 + n), fullgraph=True)
+        hooked = own_class(copy.deepcopy(model), 21 + n)
+        picklehooks.instrument(hooked)
+        idle = torch.compile(hooked, fullgraph=True)
+        task = tensor_task(model, x.to(setup.device))
+        variants = {f"compiled plain, {n} Linear(4, 4)": workload(plain, task, False),
+                    f"compiled instrumented, not recording, {n} Linear(4, 4)": workload(idle, task, False)}
+        for run in variants.values():
+            run()
+        times = measure(variants, setup, warmup=5)
+        table(f"Idle under torch.compile: {n} tiny modules, forward (no_grad)", times, next(iter(variants)), setup)
+        plain_t, idle_t = (statistics.median(t["thread"]) for t in times.values())
+        added[n] = (idle_t - plain_t) * 1e6
+    per_module = (added[36] - added[4]) / 32
+    print(f"\nIdle adds {added[4]:.1f} µs a call with 4 modules and {added[36]:.1f} µs with 36 (thread time): "
+          f"{per_module:.2f} µs per instrumented module and call, {added[4] - 4 * per_module:.1f} µs besides.")
 
 
 def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:

@@ -295,8 +295,8 @@ class _Pending:
         # whose versions say at the next reduction whose values can be kept by reference.
         self.watched: list[tuple] = []
         # While a compiled graph's record_batch kernel runs (lend() to give_back()): the batches
-        # holding its values, and its statistics tensors with the arena that will hold them.
-        self.lent: tuple[list, list, _Arena] | None = None
+        # holding its values, and per device its statistics tensors and the arena that will hold them.
+        self.lent: tuple[list, dict] | None = None
 
     def add_value(self, x: torch.Tensor, site: tuple, copy: bool = False) -> _Arena | _Refs:
         """Batch ``x``'s statistics (``x`` is the record's last row of the returned batch): kept by
@@ -378,21 +378,21 @@ class _Pending:
         table stacked when the loan ends (one kernel for all). Returns (arena, row)."""
         if self.lent is None:
             return self.add_table(stats.clone()), 0
-        tables, arena = self.lent[1], self.lent[2]
+        tables, arena = self.lent[1].setdefault(stats.device, ([], _Arena.of_table(None)))
         tables.append(stats)
         return arena, len(tables) - 1
 
     def lend(self) -> None:
         """A compiled graph's ``record_batch`` kernel starts: the values and statistics it hands over
         stay valid until :meth:`give_back`, so they are kept by reference, not copied."""
-        self.lent = ([], [], _Arena.of_table(None))
+        self.lent = ([], {})
 
     def give_back(self) -> None:
         """The kernel returns: reduce the batches holding its values and stack its statistics (its
         buffers are reused from now on). No sync."""
-        groups, tables, arena = self.lent
+        groups, stacks = self.lent
         self.lent = None
-        if tables:
+        for tables, arena in stacks.values():  # (one per device: a model split over GPUs)
             arena.table, arena.used = torch.stack(tables), len(tables)
             self.reduced.append(arena)
         for group in dict.fromkeys(groups):

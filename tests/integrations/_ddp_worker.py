@@ -13,6 +13,9 @@ import picklehooks
 import picklehooks.integrations.distributed
 
 
+_KEEP: list = []
+
+
 def train(rank: int, world: int, init_file: str, model, out_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -20,6 +23,10 @@ def train(rank: int, world: int, init_file: str, model, out_path: str) -> None:
         # copy, both ranks' optimizers would step the very same parameters.
         model = copy.deepcopy(model)
         ddp = DistributedDataParallel(model)
+        # Kept until the rank's os._exit (tests._workers.run_rank): freed when train returns, its
+        # Reducer drops the last reference to the gloo process group, whose destructor joins a
+        # worker thread that waits for the GIL this thread holds (a deadlock seen on torch 2.13).
+        _KEEP.append(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)  # each rank its own data
         with picklehooks.record() as log:
