@@ -5,7 +5,8 @@ picklehooks.capture.batching merges the graph's ``record``/``record_stats`` ops 
 generates holds the merged op and no single record op; the records equal an un-instrumented eager
 copy's values (plain PyTorch hooks, ground truth) in count, order of calls and statistics; runs are
 cut at the byte budget and at other effect ops; a graph that checks for NaN/Inf keeps one op per
-record; a pass the user set stays; a fresh process batches its first graph; on the device path
+record; a pass the user set stays; a fresh process batches its first graph; a training step pairs
+each gradient with its call; on the device path
 (``PICKLEHOOKS_NATIVE=0``) a batch's values are not copied, even where a later in-place op changes
 them. Values on the CPU join batches only where ``CPU_VALUES`` says (the ``cpu_values`` fixture:
 the merging is the same for every device, and this machine has only a CPU).
@@ -307,3 +308,39 @@ def test_a_batch_keeps_device_values_by_reference_and_reads_them_before_they_cha
     assert run.returncode == 0, run.stderr[-3000:]
     batched, per_op = map(int, run.stdout.split()[-2:])
     assert batched < per_op, (batched, per_op)
+
+
+def test_a_training_step_pairs_each_gradient_with_its_call(cpu_values):
+    """Forward+backward of a module called on two branches, its forward records batched: every
+    output and output gradient equals what plain hooks see on an un-instrumented copy, call by call
+    (gradients find their call by the site the merged kernel notes, as one op per record did)."""
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.shared, self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return (self.shared(self.a(x)) + self.shared(self.b(x)) * 2).relu()
+
+    model, x = Shared(), torch.randn(2, 3)
+    plain, outs, grads = copy.deepcopy(model), {}, {}
+    for name, module in plain.named_modules():
+        if name:
+            module.register_forward_hook(lambda m, a, o, name=name: outs.setdefault(name, []).append(o.detach().clone()))
+            module.register_full_backward_hook(
+                lambda m, gi, go, name=name: grads.setdefault(name, []).insert(0, go[0].detach().clone()))
+    plain(x).sum().backward()
+    picklehooks.instrument(model)  # outputs and their gradients
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with picklehooks.record() as log:
+        _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+    assert "picklehooks.record_batch.default(" in codes[0]
+    for kind, want in (("output", outs), ("grad_output", grads)):
+        got = sorted((r for r in log.records if r.kind == kind), key=lambda r: (r.module, r.call))
+        assert [(r.module, r.call) for r in got] == [(m, c) for m in sorted(want) for c in range(len(want[m]))], kind
+        for r in got:
+            ref = plain_stats(want[r.module][r.call])
+            assert r.stats["mean"] == pytest.approx(ref["mean"], rel=1e-5, abs=1e-6), (kind, r.module, r.call)
+            assert r.stats["absmax"] == pytest.approx(ref["absmax"], rel=1e-5), (kind, r.module, r.call)
