@@ -76,10 +76,17 @@ def _token_out(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def _bytes(node: torch.fx.Node, value_arg) -> int:
-    """What keeping a record's value alive costs, in bytes (the budget where unknown)."""
-    val = value_arg.meta.get("val") if isinstance(value_arg, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor):
+def _value(node: torch.fx.Node) -> torch.Tensor | None:
+    """The fake tensor tracing gave a record op's value (its first argument), or None."""
+    arg = node.args[2]
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    """What keeping a record op's value alive costs, in bytes (the budget where unknown)."""
+    val = _value(node)
+    if val is None:
         return BUDGET
     numel = val.numel()
     return numel * val.element_size() if isinstance(numel, int) else BUDGET
@@ -101,8 +108,8 @@ def _batched(node: torch.fx.Node) -> bool:
     the CPU where :data:`CPU_VALUES` says so."""
     if node.args[1] is not torch.ops.picklehooks.record.default:
         return True
-    val = node.args[2].meta.get("val") if isinstance(node.args[2], torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and (CPU_VALUES or val.device.type != "cpu")
+    val = _value(node)
+    return val is not None and (CPU_VALUES or val.device.type != "cpu")
 
 
 def _runs(graph: torch.fx.Graph, with_effects) -> list[list[torch.fx.Node]]:
@@ -126,7 +133,7 @@ def _runs(graph: torch.fx.Graph, with_effects) -> list[list[torch.fx.Node]]:
             continue
         if run and node.args[0] is not _token_out(run[-1]):
             close()
-        size = _bytes(node, node.args[2])
+        size = _bytes(node)
         if run and held + size > BUDGET:
             close()
         run.append(node)

@@ -91,13 +91,13 @@ class _Arena:
 
     @classmethod
     def of_table(cls, table: torch.Tensor | None) -> _Arena:
-        """An arena of records whose statistics were computed elsewhere (a compiled graph, or none to
-        compute): one record, or each row of a 2-D ``table``; ``None``: rows a lent batch stacks
-        when it is given back (:meth:`_Pending.give_back`)."""
+        """An arena of one record whose statistics were computed elsewhere (a compiled graph, or none
+        to compute); ``None``: the rows a lent batch stacks when it is given back
+        (:meth:`_Pending.give_back`)."""
         arena = cls.__new__(cls)
         arena.data = arena.sizes = arena.rows = None
-        arena.capacity, arena.end, arena.used = 0, 0, 1 if table is None or table.dim() < 2 else len(table)
-        arena.table = None if table is None else table.view(arena.used, -1)
+        arena.capacity, arena.end, arena.used = 0, 0, 1
+        arena.table = None if table is None else table.view(1, -1)
         return arena
 
     def add(self, x: torch.Tensor) -> torch.Tensor:
@@ -395,14 +395,8 @@ class _Pending:
         for tables, arena in stacks.values():  # (one per device: a model split over GPUs)
             arena.table, arena.used = torch.stack(tables), len(tables)
             self.reduced.append(arena)
-        for group in dict.fromkeys(groups):
-            if group in self.unreduced:
-                group.reduce()
-                self.reduced.append(group)
-                self.unreduced.remove(group)
-        if groups:
-            self.filling = {key: a for key, a in self.filling.items() if a in self.unreduced}
-            self.bytes = sum(a.held() for a in self.unreduced)
+        if groups:  # (a reduction for the budget meanwhile may have taken some already)
+            self._reduce_batches([a for a in self.unreduced if a in groups])
 
     def reduce(self, everything: bool = True) -> None:
         """Turn the arenas' copies into tables on their devices (no sync). Unless ``everything``, an
@@ -418,12 +412,16 @@ class _Pending:
                 if _SITES.get(site) is not False:
                     _SITES[site] = x._version == version
             self.watched = []
-        for arena in self.unreduced:
-            if arena not in kept:
-                arena.reduce()
-                self.reduced.append(arena)
-        self.filling = {key: arena for key, arena in self.filling.items() if arena in kept}
-        self.unreduced, self.bytes = kept, sum(a.held() for a in kept)
+        self._reduce_batches([a for a in self.unreduced if a not in kept])
+
+    def _reduce_batches(self, batches: list) -> None:
+        """Reduce these unreduced batches (no sync); the others keep filling."""
+        for arena in batches:
+            arena.reduce()
+            self.reduced.append(arena)
+        self.unreduced = [a for a in self.unreduced if a not in batches]
+        self.filling = {key: arena for key, arena in self.filling.items() if arena in self.unreduced}
+        self.bytes = sum(a.held() for a in self.unreduced)
 
     def read(self) -> None:
         """Bring every table to the host, one transfer per device."""

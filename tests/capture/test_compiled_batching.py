@@ -28,6 +28,7 @@ from torch._inductor.utils import run_and_get_code
 
 import picklehooks
 from picklehooks.capture import batching
+from tests.capture.test_compiled_idle import _SharedOnTwoBranches
 from tests.testutils import plain_stats
 
 
@@ -314,16 +315,7 @@ def test_a_training_step_pairs_each_gradient_with_its_call(cpu_values):
     """Forward+backward of a module called on two branches, its forward records batched: every
     output and output gradient equals what plain hooks see on an un-instrumented copy, call by call
     (gradients find their call by the site the merged kernel notes, as one op per record did)."""
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.shared, self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
-
-        def forward(self, x):
-            return (self.shared(self.a(x)) + self.shared(self.b(x)) * 2).relu()
-
-    model, x = Shared(), torch.randn(2, 3)
+    model, x = _SharedOnTwoBranches(), torch.randn(2, 3)
     plain, outs, grads = copy.deepcopy(model), {}, {}
     for name, module in plain.named_modules():
         if name:
