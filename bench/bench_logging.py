@@ -47,7 +47,11 @@ Sections (``--only`` takes a comma-separated subset; default all):
   graph or walk its guards. A floor in the same run: the compiled plain
   model followed by the native statistics of as many values as one call
   records, of the same shapes (views of one random buffer; CPU, with the
-  extension). Two tables per workload, each against the compiled plain model:
+  extension), and two lower bounds beside it: the floor plus a call of the
+  record op per value that returns at once (what one op per record pays at
+  least), and the plain model followed by those values added straight to a
+  log and read (what one host call per graph pays at least with this log).
+  Two tables per workload, each against the compiled plain model:
   the kernel's statistics (idle, recording, the floor; issue #38's targets:
   idle ≤ 1.02×, recording ≤ the floor + 0.05; and a second compiled plain
   model, whose ratio shows how far two models running the same graph differ
@@ -193,6 +197,10 @@ C_CPUBATCH = "the same, CPU values batched too (batching.CPU_VALUES on: one op p
 C_UNBATCHED = "the same, one op per record (batching.ENABLED off: before #38's batching)"
 C_EAGER = "eager plain model (reference)"
 C_FLOOR = "compiled plain model, then the native statistics of as many values of the same sizes (floor)"
+C_TRIPS = ("the floor, and a call of the record op per value with no log (it returns at once): what one op "
+           "per record costs at least")
+C_DIRECT = ("compiled plain model, then the values recorded straight into a log (C row lane: statistics, row) "
+            "and read: what one host call per graph costs at least with this log")
 
 # Targets of issue 12, by group of tables; a table's variants not named here have none.
 TARGETS: dict[str, dict[str, float]] = {
@@ -784,6 +792,7 @@ def compile_section(setup: Setup) -> None:
         }
         if picklehooks._native.AVAILABLE and setup.device.type == "cpu":
             kernel[C_FLOOR] = statistics_floor(kernel[C_BASE], compiled[False, True, False])
+            kernel[C_TRIPS], kernel[C_DIRECT] = recording_bounds(kernel[C_BASE], compiled[False, True, False])
         times = measure(kernel, setup, warmup=5)
         targets = {C_QUIET: 1.02}
         if C_FLOOR in times:
@@ -804,6 +813,8 @@ def compile_section(setup: Setup) -> None:
     _taps._GRAPH_STATS_ON_CPU = saved_flag
     if setup.device.type == "cpu":
         idle_guards(setup, own_class)
+        if picklehooks._native.AVAILABLE:
+            log_costs(setup)
 
 
 def idle_guards(setup: Setup, own_class: Callable[[nn.Module, int], nn.Module]) -> None:
@@ -832,6 +843,49 @@ def idle_guards(setup: Setup, own_class: Callable[[nn.Module, int], nn.Module]) 
           f"{per_module:.2f} µs per instrumented module and call, {added[4] - 4 * per_module:.1f} µs besides.")
 
 
+def log_costs(setup: Setup) -> None:
+    """What a log costs per value on top of the native statistics, whatever hands it the values:
+    36 values shaped like the bench MLP's outputs (32 x 256), added by ``Rows._add_tensor`` (the C
+    row lane) with no op or hook, each step of a recorded step added in turn. Against the floor's
+    allowance (issue #38: the floor + 0.05 of the compiled step), what no design on this log avoids."""
+    values = [(f"{i}", "output", "", torch.randn(32, 256)) for i in range(36)]
+    stats, flags = picklehooks._native.stats, picklehooks._ops.STATS
+
+    def native() -> None:
+        for *_, v in values:
+            stats(v)
+
+    def logged(upto: int) -> Callable[[], None]:
+        def run() -> None:
+            with picklehooks.record() as log:
+                if upto == 0:
+                    native()
+                else:
+                    add = log._add_tensor
+                    for m, k, p, v in values:
+                        add(m, k, p, v, flags)
+            if upto >= 2:
+                records = log.records
+                if upto >= 3:
+                    for r in records:
+                        r.stats  # noqa: B018
+        return run
+
+    names = ["native statistics of 36 values of 32 x 256 (the floor's part)",
+             "the same inside a record() block (entering and leaving a log)",
+             "a row each instead (Rows._add_tensor: the C row lane, statistics included)",
+             "and the records built (log.records)", "and their statistics read as dicts (record.stats)"]
+    variants = dict(zip(names, [native, logged(0), logged(1), logged(2), logged(3)]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "nothing was recorded")  # the first variant's block, by design
+        times = measure(variants, setup, warmup=20)
+    table("What a log adds to the statistics of 36 values, without any op or hook", times, names[0], setup)
+    medians = [statistics.median(times[name]["thread"]) * 1e6 for name in names]
+    steps = ", ".join(f"{label} {(b - a) / 36:.2f} µs" for label, a, b in
+                      zip(("the log", "the rows", "the records", "the dicts"), medians, medians[1:]))
+    print(f"\nPer value (thread time): {steps}; together {(medians[-1] - medians[0]) / 36:.2f} µs.")
+
+
 def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:
     """``plain``, then the native statistics of tensors shaped like every value one call of
     ``instrumented`` records (views of one random buffer, which keeps memory flat at real sizes):
@@ -848,6 +902,39 @@ def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]
         for v in values:
             stats(v)
     return run
+
+
+def recording_bounds(plain: Callable[[], None], instrumented: Callable[[], None]) -> tuple[Callable[[], None], ...]:
+    """Two lower bounds on compiled recording with the kernel's statistics, for values shaped like
+    those one call of ``instrumented`` records (views of one buffer, as :func:`statistics_floor`'s):
+    ``plain``, their native statistics and a call of the ``record`` op per value while no log is
+    active, whose kernel returns at once (the trip from Python through the dispatcher that each op
+    in Inductor's wrapper pays, measured the same inside a graph); and ``plain``, then each value
+    added to a log by ``Rows._add_tensor`` (the C row lane: statistics and row, no op) and the
+    statistics read, as the recording variants read them (a graph handing its values over in one
+    call could do no less with this log)."""
+    with picklehooks.record() as log:
+        instrumented()
+    rows = [(r.module, r.kind, r.path, r.shape) for r in log.records if r.shape is not None]
+    buffer = torch.randn(max(math.prod(row[3]) for row in rows))
+    values = [(m, k, p, buffer[: math.prod(shape)].view(shape)) for m, k, p, shape in rows]
+    stats, op, flags = picklehooks._native.stats, torch.ops.picklehooks.record.default, picklehooks._ops.STATS
+
+    def trips() -> None:
+        plain()
+        for _, _, _, v in values:
+            stats(v)
+            op(v, "", "output", "", flags)
+
+    def direct() -> None:
+        with picklehooks.record() as log:
+            plain()
+            add = log._add_tensor
+            for m, k, p, v in values:
+                add(m, k, p, v, flags)
+        for r in log.records:
+            r.stats  # noqa: B018 - read, as recording(read_stats=True) does
+    return trips, direct
 
 
 def torchlens_phase(setup: Setup, baseline: dict[str, list[float]] | None) -> None:

@@ -54,8 +54,8 @@ ENABLED = True
 #: Bytes of recorded values one batch may hold alive past their last use in the graph.
 BUDGET = 32 << 20
 #: Whether a ``record`` op of a CPU value joins a batch. Off: the native pass reads a CPU value
-#: best right where the graph made it, in cache (the bench's compiled MLP forward recorded at 1.56x
-#: of the compiled plain model with one op per record, 1.67x batched); a batch reads it later. On, a CPU
+#: best right where the graph made it, in cache (the bench's compiled MLP forward recorded at 1.52x
+#: of the compiled plain model with one op per record, 1.61x batched); a batch reads it later. On, a CPU
 #: graph's records keep the program's order too (tests turn it on to check the merging on CPU).
 CPU_VALUES = False
 
