@@ -344,9 +344,10 @@ class Recording:
                 "saved model had; attach them with picklehooks.load_hooks(model, path, trust=...) or "
                 "picklehooks.instrument(model, spec=...). A model that captures only gradients records "
                 "nothing in a block without a backward pass (a forward under no_grad, say). A torch.compile'd "
-                "model whose forward Dynamo compiled before for a model without these hooks (a plain copy of the "
-                "same class) runs that graph: Dynamo doesn't guard on module hooks "
-                "(torch._dynamo.config.skip_nnmodule_hook_guards); call torch._dynamo.reset() before compiling it",
+                "model runs the graph Dynamo compiled for a model of its class without these hooks (a plain copy, "
+                "compiled before or after it), because Dynamo doesn't guard on module hooks by default: set "
+                "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling either, or call "
+                "torch._dynamo.reset() before compiling the instrumented model and compile no plain copy after it",
                 UserWarning, stacklevel=2)
 
 

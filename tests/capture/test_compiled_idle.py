@@ -210,3 +210,34 @@ def test_a_plain_copy_compiled_first_is_named_in_the_warning(fresh_dynamo):
         torch.compile(hooked, fullgraph=True)(x)
     (act,) = [r for r in log.records if r.module == "act"]
     assert act.stats["mean"] == pytest.approx(want.mean().item(), rel=1e-5)
+
+
+def test_a_plain_copy_compiled_after_takes_over_unless_dynamo_guards_on_hooks(fresh_dynamo):
+    """The other order: an instrumented model compiled and recording, then a plain copy of its class
+    compiled, runs the plain graph from then on and records nothing (record() warns, naming the
+    setting). With torch._dynamo.config.skip_nnmodule_hook_guards off, each keeps its own graph: the
+    instrumented model records what the plain model computes, after the copy is compiled too."""
+    plain = _SharedOnTwoBranches()
+    hooked = copy.deepcopy(plain)
+    picklehooks.instrument(hooked, capture="output")
+    x = torch.randn(2, 3)
+    want = plain(x)
+    compiled = torch.compile(hooked, fullgraph=True)
+    with picklehooks.record() as log:
+        compiled(x)
+    assert [r.module for r in log.records if r.module == "act"] == ["act"]
+    torch.compile(plain, fullgraph=True)(x)
+    with pytest.warns(UserWarning, match=r"skip_nnmodule_hook_guards = False before compiling either"):
+        with picklehooks.record() as log:
+            compiled(x)
+    assert log.records == []
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        compiled = torch.compile(hooked, fullgraph=True)
+        with picklehooks.record():
+            compiled(x)
+        torch.compile(plain, fullgraph=True)(x)
+        with picklehooks.record() as log:
+            compiled(x)
+    (act,) = [r for r in log.records if r.module == "act"]
+    assert act.stats["mean"] == pytest.approx(want.mean().item(), rel=1e-5)
