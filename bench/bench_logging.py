@@ -888,15 +888,21 @@ def log_costs(setup: Setup) -> None:
     print(f"\nPer value (thread time): {steps}; together {(medians[-1] - medians[0]) / 36:.2f} µs.")
 
 
-def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:
-    """``plain``, then the native statistics of tensors shaped like every value one call of
-    ``instrumented`` records (views of one random buffer, which keeps memory flat at real sizes):
-    what reading each value once costs on the CPU, however recording is wired in."""
+def recorded_values(instrumented: Callable[[], None]) -> list[tuple[str, str, str, torch.Tensor]]:
+    """``(module, kind, path, value)`` for every tensor one call of ``instrumented`` records, each
+    value a random stand-in of its shape (views of one buffer, which keeps memory flat at real sizes)."""
     with picklehooks.record() as log:
         instrumented()
-    shapes = [r.shape for r in log.records if r.shape is not None]  # (not the values that aren't tensors)
-    buffer = torch.randn(max(math.prod(shape) for shape in shapes))
-    values = [buffer[: math.prod(shape)].view(shape) for shape in shapes]
+    rows = [(r.module, r.kind, r.path, r.shape) for r in log.records if r.shape is not None]  # tensors only
+    buffer = torch.randn(max(math.prod(shape) for *_, shape in rows))
+    return [(m, k, p, buffer[: math.prod(shape)].view(shape)) for m, k, p, shape in rows]
+
+
+def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]) -> Callable[[], None]:
+    """``plain``, then the native statistics of tensors shaped like every value one call of
+    ``instrumented`` records (:func:`recorded_values`): what reading each value once costs on the
+    CPU, however recording is wired in."""
+    values = [v for *_, v in recorded_values(instrumented)]
     stats = picklehooks._native.stats
 
     def run() -> None:
@@ -908,18 +914,14 @@ def statistics_floor(plain: Callable[[], None], instrumented: Callable[[], None]
 
 def recording_bounds(plain: Callable[[], None], instrumented: Callable[[], None]) -> tuple[Callable[[], None], ...]:
     """Two lower bounds on compiled recording with the kernel's statistics, for values shaped like
-    those one call of ``instrumented`` records (views of one buffer, as :func:`statistics_floor`'s):
+    those one call of ``instrumented`` records (:func:`recorded_values`):
     ``plain``, their native statistics and a call of the ``record`` op per value while no log is
     active, whose kernel returns at once (the trip from Python through the dispatcher that each op
     in Inductor's wrapper pays: about 1.9 µs, inside a graph as outside); and ``plain``, then each value
     added to a log by ``Rows._add_tensor`` (the C row lane: statistics and row, no op) and the
     statistics read, as the recording variants read them (a graph handing its values over in one
     call could do no less with this log)."""
-    with picklehooks.record() as log:
-        instrumented()
-    rows = [(r.module, r.kind, r.path, r.shape) for r in log.records if r.shape is not None]
-    buffer = torch.randn(max(math.prod(row[3]) for row in rows))
-    values = [(m, k, p, buffer[: math.prod(shape)].view(shape)) for m, k, p, shape in rows]
+    values = recorded_values(instrumented)
     stats, op, flags = picklehooks._native.stats, torch.ops.picklehooks.record.default, picklehooks._ops.STATS
 
     def trips() -> None:
